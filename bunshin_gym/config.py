@@ -1,0 +1,65 @@
+"""Where bunshin-gym keeps its state on the host, all overridable by environment variables.
+
+``BUNSHIN_HOME`` (default ``/var/lib/bunshin``) holds the btrfs pool file and its mount,
+the CRIU build and the runtime layer; ``BUNSHIN_RUN`` (default ``/run/bunshin``) holds
+the records of live workspaces, which vanish with a reboot as the workspaces do.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Host paths used by every layer. Build one with :func:`paths`."""
+
+    home: Path
+    run: Path
+    pool_file: Path
+    pool_size: str
+    pool: Path
+    criu_prefix: Path
+
+    @property
+    def criu(self) -> Path:
+        return self.criu_prefix / "sbin" / "criu"
+
+    @property
+    def images(self) -> Path:
+        return self.pool / "images"
+
+    @property
+    def workspaces(self) -> Path:
+        return self.pool / "workspaces"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.pool / "snapshots"
+
+    @property
+    def runtime(self) -> Path:
+        return self.home / "runtime"
+
+    @property
+    def cache(self) -> Path:
+        return self.home / "cache"
+
+    @property
+    def records(self) -> Path:
+        return self.run / "workspaces"
+
+
+def paths() -> Paths:
+    """Read the configuration from the environment (cheap; call it where needed)."""
+    home = Path(os.environ.get("BUNSHIN_HOME", "/var/lib/bunshin"))
+    return Paths(
+        home=home,
+        run=Path(os.environ.get("BUNSHIN_RUN", "/run/bunshin")),
+        pool_file=Path(os.environ.get("BUNSHIN_POOL_FILE", str(home / "pool.img"))),
+        pool_size=os.environ.get("BUNSHIN_POOL_SIZE", "60G"),
+        pool=Path(os.environ.get("BUNSHIN_POOL", str(home / "pool"))),
+        criu_prefix=Path(os.environ.get("BUNSHIN_CRIU_PREFIX", str(home / "criu"))),
+    )

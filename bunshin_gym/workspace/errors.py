@@ -1,0 +1,30 @@
+"""Errors of the workspace layer. Every message names the workspace, image or path at fault."""
+
+from __future__ import annotations
+
+
+class WorkspaceError(RuntimeError):
+    """A workspace could not be created, reached or used."""
+
+
+class WorkspaceClosed(WorkspaceError):
+    """The workspace was closed; it cannot be used any more."""
+
+
+class UnknownImage(WorkspaceError, KeyError):
+    """No image of that name exists (the message lists the known ones)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class AgentError(WorkspaceError):
+    """The agent ran the request and it failed inside the workspace (no such file, ...)."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
+class SetupError(WorkspaceError):
+    """A host prerequisite is missing; the message says which command fixes it."""

@@ -1,0 +1,83 @@
+"""Records of live workspaces on this host, so that any process can list, attach to and
+reclaim them (``bunshin ws ls``, ``bunshin gc``).
+
+A record is written before anything is created and removed after everything is reclaimed:
+whatever a crash leaves behind is either named by a record or found by ``gc``'s sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bunshin_gym.config import Paths, paths
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (tells a pid from a reused one)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def process_alive(pid: int | None, start_time: int | None) -> bool:
+    return pid is not None and start_time is not None and proc_start_time(pid) == start_time
+
+
+@dataclass
+class Record:
+    id: str
+    image: str
+    image_path: str
+    subvolume: str
+    cgroup: str
+    pid1: int | None = None
+    pid1_start: int | None = None
+    owner: int | None = None  # controller pid; None for workspaces started detached (CLI)
+    owner_start: int | None = None
+    created: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def owner_alive(self) -> bool:
+        return self.owner is None or process_alive(self.owner, self.owner_start)
+
+    def running(self) -> bool:
+        return process_alive(self.pid1, self.pid1_start)
+
+
+def _dir(p: Paths | None) -> Path:
+    d = (p or paths()).records
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save(rec: Record, p: Paths | None = None) -> None:
+    path = _dir(p) / f"{rec.id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(rec)))
+    os.replace(tmp, path)
+
+
+def load(ws_id: str, p: Paths | None = None) -> Record | None:
+    try:
+        return Record(**json.loads((_dir(p) / f"{ws_id}.json").read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def remove(ws_id: str, p: Paths | None = None) -> None:
+    (_dir(p) / f"{ws_id}.json").unlink(missing_ok=True)
+
+
+def all_records(p: Paths | None = None) -> list[Record]:
+    out = []
+    for f in sorted(_dir(p).glob("*.json")):
+        try:
+            out.append(Record(**json.loads(f.read_text())))
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            continue
+    return out

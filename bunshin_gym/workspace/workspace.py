@@ -1,0 +1,292 @@
+"""``Workspace``: a live container made from an image, driven through its in-workspace agent.
+
+A workspace is an overlay of its image (read-only subvolume) and a writable upper layer
+(its own subvolume), in fresh mount, pid, net, ipc and uts namespaces, with only ``lo``,
+a memory and freezer cgroup, and PID 1 = ``/.bunshin/init``, which runs the agent.
+
+Example:
+    >>> from bunshin_gym.workspace import Workspace
+    >>> with Workspace.create("base") as ws:
+    ...     print(ws.exec("echo hello; uname -n").text)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import pool, records
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.client import AgentClient, ExecResult
+from bunshin_gym.workspace.errors import WorkspaceClosed, WorkspaceError
+from bunshin_gym.workspace.images import ImageStore
+from bunshin_gym.workspace.runtime import ensure_runtime
+
+
+@dataclass
+class MemoryStats:
+    """Memory of a workspace's processes (bytes), read from /proc/PID/smaps_rollup."""
+
+    pss: int
+    rss: int
+    private: int
+    processes: int
+    cgroup: int
+
+    def as_mb(self) -> dict:
+        return {k: round(v / 2**20, 1) if k != "processes" else v for k, v in vars(self).items()}
+
+
+class Workspace:
+    """A running workspace. Create with :meth:`create`, reach an existing one with :meth:`attach`."""
+
+    def __init__(self, record: records.Record, p: Paths):
+        self._rec = record
+        self._p = p
+        self._cgroup = Cgroup(record.cgroup)
+        self._client = AgentClient(record.pid1, record.id) if record.pid1 else None
+        self._closed = False
+
+    # life cycle ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, image: str = "base", *, detached: bool = False, ready_timeout: float = 30.0,
+               ws_id: str | None = None) -> Workspace:
+        """Start a workspace from an image (which must be built: ``bunshin image build``).
+
+        Args:
+            image: image name (``bunshin image ls``).
+            detached: keep it running after this process exits (``bunshin ws start``);
+                otherwise ``bunshin gc`` reclaims it once this process is gone.
+            ready_timeout: seconds to wait for the agent to answer.
+            ws_id: the workspace id (default: a random ``ws-xxxxxxxx``).
+        """
+        p = pool.require_pool()
+        image_path = ImageStore(p).get(image)
+        layer = ensure_runtime(p)
+        ws_id = ws_id or f"ws-{secrets.token_hex(4)}"
+        sub = p.workspaces / ws_id
+        me = os.getpid()
+        rec = records.Record(
+            id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
+            owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
+            created=time.time(),
+        )
+        records.save(rec, p)
+        ws = cls(rec, p)
+        try:
+            pool.create_subvolume(sub)
+            for d in ("upper", "work", "root"):
+                (sub / d).mkdir()
+            cg = Cgroup.create(ws_id)
+            proc = subprocess.run(
+                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
+                 str(sub / "upper"), str(sub / "work"), str(p.snapshots), ws_id, *cg.procs_files],
+                capture_output=True, text=True, timeout=60,
+            )
+            if proc.returncode != 0:
+                raise WorkspaceError(f"{ws_id}: starting from image {image!r} failed: {proc.stderr.strip()}")
+            rec.pid1 = int(proc.stdout)
+            rec.pid1_start = records.proc_start_time(rec.pid1)
+            records.save(rec, p)
+            ws._client = AgentClient(rec.pid1, ws_id)
+            ws._client.wait_ready(ready_timeout)
+        except BaseException:
+            ws.close()
+            raise
+        return ws
+
+    @classmethod
+    def attach(cls, ws_id: str) -> Workspace:
+        """A handle on a running workspace started elsewhere (another process, the CLI)."""
+        p = paths()
+        rec = records.load(ws_id, p)
+        if rec is None:
+            known = ", ".join(r.id for r in records.all_records(p)) or "none"
+            raise WorkspaceError(f"no workspace {ws_id!r}; running: {known}")
+        if not rec.running():
+            raise WorkspaceClosed(f"workspace {ws_id} is not running (reclaim it with: bunshin gc)")
+        return cls(rec, p)
+
+    def close(self) -> None:
+        """Stop every process and reclaim the cgroup, the upper layer and the record."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._client is not None:
+            self._client.disconnect()
+        reclaim(self._rec, self._p)
+
+    def __enter__(self) -> Workspace:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pid {self._rec.pid1}"
+        return f"<Workspace {self.id} image={self.image} {state}>"
+
+    # properties ----------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self._rec.id
+
+    @property
+    def image(self) -> str:
+        return self._rec.image
+
+    @property
+    def pid(self) -> int:
+        """Host pid of the workspace's PID 1."""
+        self._check_open()
+        return self._rec.pid1
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def upper(self) -> Path:
+        """The writable layer (a btrfs subvolume): everything the workspace wrote."""
+        return Path(self._rec.subvolume) / "upper"
+
+    @property
+    def cgroup(self) -> Cgroup:
+        return self._cgroup
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WorkspaceClosed(f"workspace {self.id} is closed")
+
+    def _agent(self) -> AgentClient:
+        self._check_open()
+        if self._client is None:
+            raise WorkspaceError(f"workspace {self.id} has no agent")
+        return self._client
+
+    # commands and files --------------------------------------------------------------
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 120.0, env: dict | None = None,
+             cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
+             check: bool = False) -> ExecResult:
+        """Run a command to completion inside the workspace.
+
+        Args:
+            cmd: a shell command line (run by ``/bin/sh -c``) or an argv list.
+            timeout: seconds; on expiry only this command's process group is killed and
+                the result has ``timed_out=True``. None waits forever.
+            env: variables added to the base environment.
+            cwd: working directory (default: the user's home).
+            user: run as this user (default root).
+            stdin: bytes fed to the command's standard input.
+            check: raise :class:`WorkspaceError` on a non-zero exit or a timeout.
+        """
+        req = _command(cmd)
+        req.update(op="exec", timeout=timeout, env=env, cwd=cwd, user=user)
+        reply, (out, err) = self._agent().request(req, [stdin] if stdin is not None else [])
+        res = ExecResult(reply["exit_code"], out, err, reply["timed_out"], reply["duration"])
+        if check and not res.ok:
+            why = "timed out" if res.timed_out else f"exited {res.exit_code}"
+            raise WorkspaceError(f"{self.id}: {cmd!r} {why}: {err.decode(errors='replace')[-2000:]}")
+        return res
+
+    def spawn(self, cmd: str | Sequence[str], *, env: dict | None = None, cwd: str | None = None,
+              user: str | None = None, log: str | None = None) -> int:
+        """Start a long-running process (service, app) and return its pid inside the workspace."""
+        req = _command(cmd)
+        req.update(op="spawn", env=env, cwd=cwd, user=user, log=log)
+        return self._agent().request(req)[0]["pid"]
+
+    def read_file(self, path: str) -> bytes:
+        return self._agent().request({"op": "read_file", "path": path})[1][0]
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644, owner: str | None = None,
+                   mkdirs: bool = True) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        self._agent().request({"op": "write_file", "path": path, "mode": mode, "owner": owner,
+                               "mkdirs": mkdirs}, [data])
+
+    def disconnect(self) -> None:
+        """Drop the controller's connection; the next request reconnects."""
+        if self._client is not None:
+            self._client.disconnect()
+
+    # freezer and memory --------------------------------------------------------------
+    def freeze(self) -> None:
+        self._check_open()
+        self._cgroup.freeze()
+
+    def thaw(self) -> None:
+        self._check_open()
+        self._cgroup.thaw()
+
+    def pids(self) -> list[int]:
+        """Host pids of every process in the workspace."""
+        self._check_open()
+        return self._cgroup.pids()
+
+    def memory(self) -> MemoryStats:
+        """Sum of PSS, RSS and private bytes over the workspace's processes."""
+        pids = self.pids()
+        total = {"Pss": 0, "Rss": 0, "Private_Clean": 0, "Private_Dirty": 0}
+        for pid in pids:
+            try:
+                text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for line in text.splitlines():
+                key, _, rest = line.partition(":")
+                if key in total:
+                    total[key] += int(rest.split()[0]) * 1024
+        return MemoryStats(pss=total["Pss"], rss=total["Rss"],
+                           private=total["Private_Clean"] + total["Private_Dirty"],
+                           processes=len(pids), cgroup=self._cgroup.memory_usage())
+
+
+def _command(cmd: str | Sequence[str]) -> dict:
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise ValueError("empty command")
+        return {"cmd": cmd}
+    argv = [str(a) for a in cmd]
+    if not argv or not argv[0]:
+        raise ValueError("empty command")
+    return {"argv": argv}
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def reclaim(rec: records.Record, p: Paths | None = None) -> None:
+    """Kill a workspace's processes and remove its cgroup, upper layer and record.
+
+    Safe on a half-created workspace and idempotent; ``bunshin gc`` uses it too.
+    """
+    p = p or paths()
+    cg = Cgroup(rec.cgroup)
+    if rec.running():
+        try:
+            os.kill(rec.pid1, signal.SIGKILL)  # PID 1's death kills the whole pid namespace
+        except ProcessLookupError:
+            pass
+        _wait_gone(rec.pid1, 10.0)
+    if cg.exists():
+        cg.remove()
+    pool.delete_subvolume(Path(rec.subvolume))
+    records.remove(rec.id, p)
