@@ -64,6 +64,7 @@ static struct {
 	void (*flush_tlb_mm_range)(struct mm_struct *mm, unsigned long start,
 				   unsigned long end, unsigned int stride_shift,
 				   bool freed_tables);
+	int (*__ksm_enter)(struct mm_struct *mm);
 } kf;
 
 static unsigned long (*bsh_kallsyms_lookup_name)(const char *name);
@@ -97,6 +98,7 @@ static int bsh_resolve(void)
 	RESOLVE(mm_access);
 	RESOLVE(split_huge_pmd_address);
 	RESOLVE(flush_tlb_mm_range);
+	RESOLVE(__ksm_enter);
 #undef RESOLVE
 	return 0;
 }
@@ -318,6 +320,21 @@ static long bsh_share(struct bunshin_share_req *req)
 		kf.split_huge_pmd_address(svma, start, false, NULL);
 	if (!IS_ALIGNED(end, HPAGE_PMD_SIZE) && end < svma->vm_end)
 		kf.split_huge_pmd_address(svma, end, false, NULL);
+
+	/*
+	 * KSM pages: as fork does (vm_area_dup + ksm_fork), D's VMA becomes
+	 * mergeable and D's mm is registered with ksmd, so that ksmd gives D's
+	 * mappings of stable pages their own rmap_items (until then
+	 * rmap_walk_ksm finds them through S's anon_vma, as for a new child).
+	 */
+	if ((svma->vm_flags & VM_MERGEABLE) && !(dvma->vm_flags & VM_MERGEABLE)) {
+		if (!test_bit(MMF_VM_MERGEABLE, &dst_mm->flags)) {
+			ret = kf.__ksm_enter(dst_mm);
+			if (ret)
+				goto unlock;
+		}
+		dvma->vm_flags |= VM_MERGEABLE;
+	}
 
 	if (!dvma->anon_vma) {
 		ret = kf.anon_vma_fork(dvma, svma);

@@ -22,6 +22,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -88,6 +90,18 @@ def recipe_paths() -> dict[str, Path]:
     return found
 
 
+@contextlib.contextmanager
+def build_lock(p: Paths, blocking: bool = True):
+    """Held while an image builds, so ``gc`` never sweeps a build in progress."""
+    with open(p.images / ".build.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 class ImageStore:
     """Builds, finds and lists images in the pool."""
 
@@ -127,9 +141,10 @@ class ImageStore:
         r = self.recipe(name)
         if r.parent:
             self.ensure(r.parent)
-        if self.exists(name):
-            return self.path(name)
-        return self._build(r)
+        with build_lock(self.p):
+            if self.exists(name):
+                return self.path(name)
+            return self._build(r)
 
     def list(self) -> list[dict]:
         out = []
@@ -183,7 +198,8 @@ class ImageStore:
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-30:]
-            if line.startswith(("I: Retrieving", "I: Validating", "W:", "E:")) or "Setting up" in line:
+            if line.startswith(("I: Retrieving", "I: Validating", "I: Configuring", "I: Unpacking",
+                                "I: Extracting", "W:", "E:")) or "Setting up" in line:
                 continue  # too chatty; counted below instead
             if line.startswith(("I: ", "Get:", "Unpacking", "Collecting", "Successfully")):
                 self.log(f"[image {name}]   {line[:100]}")

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and writes JSON (``bunshin bench NAME --json PATH``)."""

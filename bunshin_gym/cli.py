@@ -1,0 +1,169 @@
+"""The ``bunshin`` command: a thin front on the library's layers.
+
+    bunshin doctor                      check prerequisites, say how to fix them
+    bunshin image build NAME | ls       build or list workspace images
+    bunshin ws start|exec|ls|stop       manage workspaces by hand
+    bunshin gc [--all]                  reclaim what crashed processes left
+    bunshin bench workspace --json P    benchmarks
+    bunshin demo                        start, run, fork: what a workspace can do
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _cmd_doctor(args) -> int:
+    from bunshin_gym import doctor
+
+    return doctor.main()
+
+
+def _cmd_image(args) -> int:
+    from bunshin_gym.workspace import ImageStore, pool
+
+    store = ImageStore()
+    if args.action == "build":
+        pool.ensure_pool()
+        for name in args.names:
+            store.ensure(name)
+        return 0
+    rows = store.list()
+    for info in rows:
+        mark = "" if info["current"] else "  (stale: recipe changed)"
+        print(f"{info['name']:<12} {info['name']}-{info['key']}  built {time.ctime(info['built'])}{mark}")
+    if not rows:
+        print("no images; build one with: bunshin image build base")
+    return 0
+
+
+def _cmd_ws(args) -> int:
+    from bunshin_gym.workspace import Workspace, records
+
+    if args.action == "start":
+        ws = Workspace.create(args.image, detached=True)
+        print(ws.id)
+        return 0
+    if args.action == "ls":
+        recs = records.all_records()
+        print(f"{'ID':<14} {'IMAGE':<10} {'PID':>8}  {'STATE':<8} OWNER")
+        for r in recs:
+            state = "running" if r.running() else "dead"
+            owner = "detached" if r.owner is None else f"pid {r.owner}" + ("" if r.owner_alive() else " (gone)")
+            print(f"{r.id:<14} {r.image:<10} {r.pid1 or '-':>8}  {state:<8} {owner}")
+        return 0
+    if args.action == "exec":
+        if not args.command:
+            print("bunshin ws exec: give a command after the workspace id", file=sys.stderr)
+            return 2
+        ws = Workspace.attach(args.id)
+        argv = args.command[1:] if args.command[0] == "--" else args.command
+        cmd = argv[0] if len(argv) == 1 else argv
+        res = ws.exec(cmd, timeout=args.timeout, user=args.user)
+        sys.stdout.buffer.write(res.stdout)
+        sys.stderr.buffer.write(res.stderr)
+        if res.timed_out:
+            print(f"bunshin: command timed out after {args.timeout} s", file=sys.stderr)
+            return 124
+        return res.exit_code
+    if args.action == "stop":
+        ids = [r.id for r in records.all_records()] if args.all else args.ids
+        for ws_id in ids:
+            rec = records.load(ws_id)
+            if rec is None:
+                print(f"bunshin: no workspace {ws_id!r}", file=sys.stderr)
+                return 1
+            from bunshin_gym.workspace.workspace import reclaim
+
+            reclaim(rec)
+            print(f"stopped {ws_id}")
+        return 0
+    raise AssertionError(args.action)
+
+
+def _cmd_gc(args) -> int:
+    from bunshin_gym.workspace import gc
+
+    rep = gc.collect(all_workspaces=args.all)
+    for kind in ("workspaces", "subvolumes", "cgroups", "partial_images"):
+        items = getattr(rep, kind)
+        if items:
+            print(f"reclaimed {len(items)} {kind.replace('_', ' ')}: {', '.join(items)}")
+    if not rep.total():
+        print("nothing to reclaim")
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    if args.name == "workspace":
+        from bunshin_gym.bench import workspace
+
+        workspace.run(args.json)
+        return 0
+    raise AssertionError(args.name)
+
+
+def _cmd_demo(args) -> int:
+    from bunshin_gym import demo
+
+    return demo.main()
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bunshin", description="Forkable container workspaces for agentic RL.")
+    sub = ap.add_subparsers(dest="subcommand", required=True)
+
+    sub.add_parser("doctor", help="check every prerequisite").set_defaults(fn=_cmd_doctor)
+
+    img = sub.add_parser("image", help="build or list workspace images")
+    img_sub = img.add_subparsers(dest="action", required=True)
+    b = img_sub.add_parser("build", help="build images (cached by recipe)")
+    b.add_argument("names", nargs="+", help="image names, e.g. base")
+    img_sub.add_parser("ls", help="list built images")
+    img.set_defaults(fn=_cmd_image)
+
+    ws = sub.add_parser("ws", help="manage workspaces")
+    ws_sub = ws.add_subparsers(dest="action", required=True)
+    s = ws_sub.add_parser("start", help="start a detached workspace and print its id")
+    s.add_argument("--image", default="base")
+    ws_sub.add_parser("ls", help="list workspaces")
+    e = ws_sub.add_parser("exec", help="run a command in a workspace")
+    e.add_argument("id")
+    e.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
+    e.add_argument("--user", default=None, help="run as this user (default root)")
+    e.add_argument("command", nargs=argparse.REMAINDER, help="a shell line, or argv after --")
+    st = ws_sub.add_parser("stop", help="stop workspaces and reclaim them")
+    st.add_argument("ids", nargs="*")
+    st.add_argument("--all", action="store_true")
+    ws.set_defaults(fn=_cmd_ws)
+
+    g = sub.add_parser("gc", help="reclaim what crashed processes left")
+    g.add_argument("--all", action="store_true", help="also stop every running workspace")
+    g.set_defaults(fn=_cmd_gc)
+
+    be = sub.add_parser("bench", help="run a benchmark")
+    be.add_argument("name", choices=["workspace"])
+    be.add_argument("--json", default=None, help="write the results to this JSON file")
+    be.set_defaults(fn=_cmd_bench)
+
+    sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from bunshin_gym.workspace.errors import WorkspaceError
+
+    try:
+        return args.fn(args) or 0
+    except (WorkspaceError, ValueError) as e:
+        print(f"bunshin: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Reclaim what crashed controllers left behind (``bunshin gc``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import cgroups, pool, records
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.images import build_lock
+from bunshin_gym.workspace.workspace import reclaim
+
+
+@dataclass
+class GcReport:
+    workspaces: list[str] = field(default_factory=list)
+    subvolumes: list[str] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    partial_images: list[str] = field(default_factory=list)
+
+    def total(self) -> int:
+        return len(self.workspaces) + len(self.subvolumes) + len(self.cgroups) + len(self.partial_images)
+
+
+def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport:
+    """Reclaim workspaces whose controller died (or all, with ``all_workspaces``), then sweep
+    subvolumes and cgroups that no record names."""
+    p = p or paths()
+    rep = GcReport()
+    for rec in records.all_records(p):
+        if all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()):
+            reclaim(rec, p)
+            rep.workspaces.append(rec.id)
+    # a record is written before its subvolume and cgroup, so reading records after listing
+    # them never sweeps a workspace that is being created
+    subvols = sorted(p.workspaces.iterdir()) if pool.is_mounted(p.pool) else []
+    cgs = cgroups.list_names()
+    known = {r.id for r in records.all_records(p)}
+    for sub in subvols:
+        if sub.name not in known:
+            pool.delete_subvolume(sub)
+            rep.subvolumes.append(sub.name)
+    for name in sorted(cgs - known):
+        cg = Cgroup(name)
+        cg.kill_all()
+        cg.remove()
+        rep.cgroups.append(name)
+    if pool.is_mounted(p.pool):
+        with build_lock(p, blocking=False) as held:
+            for tmp in sorted(p.images.glob(".build-*")) if held else []:
+                pool.delete_subvolume(tmp)
+                rep.partial_images.append(tmp.name)
+    return rep

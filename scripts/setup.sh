@@ -1,0 +1,62 @@
+#!/bin/bash
+# One-time (idempotent) set-up of a Debian 12 host for bunshin-gym, as root.
+# A second run checks each step and takes seconds.
+#
+#   scripts/setup.sh            host packages, CRIU, venv, btrfs pool, base image
+#   BUNSHIN_IMAGES="base osworld" scripts/setup.sh    also build these images
+#
+# Configuration (environment): BUNSHIN_HOME (/var/lib/bunshin), BUNSHIN_POOL_SIZE (60G),
+# BUNSHIN_POOL_FILE ($BUNSHIN_HOME/pool.img), BUNSHIN_VENV (<repo>/.venv).
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+export BUNSHIN_HOME=${BUNSHIN_HOME:-/var/lib/bunshin}
+VENV=${BUNSHIN_VENV:-$REPO/.venv}
+IMAGES=${BUNSHIN_IMAGES:-base}
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+[ "$(id -u)" = 0 ] || { echo "scripts/setup.sh must run as root" >&2; exit 1; }
+mkdir -p "$BUNSHIN_HOME"
+
+# 1. Host packages from Debian (only what is missing).
+PKGS="btrfs-progs debootstrap iproute2 nftables util-linux procps psmisc kmod xz-utils tar dpkg-dev
+ build-essential pkg-config gcc make libc6-dev python3 python3-venv
+ libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
+ libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
+ debian-archive-keyring ca-certificates"
+missing=$(dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' $PKGS 2>/dev/null | awk '$1!="ii"{print $2}')
+for p in $PKGS; do dpkg-query -W "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+missing=$(echo $missing | tr ' ' '\n' | sort -u | tr '\n' ' ')
+if [ -n "${missing// /}" ]; then
+	say "installing host packages: $missing"
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+else
+	say "host packages present"
+fi
+
+# 2. CRIU from Debian's source package plus criu/patches (rebuilt only when they change).
+"$REPO/criu/build.sh" "$BUNSHIN_HOME/criu"
+
+# 3. Python virtual environment: torch's CPU wheel first and alone, then pinned deps.
+stamp=$(cat "$REPO/pyproject.toml" "$REPO/constraints.txt" | sha256sum | cut -c1-16)
+if [ "$(cat "$VENV/.bunshin-stamp" 2>/dev/null)" != "$stamp" ]; then
+	say "creating the virtual environment in $VENV"
+	[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+	"$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v WARNING || true
+	torch=$(grep '^torch==' "$REPO/constraints.txt")
+	say "installing $torch (CPU wheel) alone, before anything can pull a CUDA build"
+	"$VENV/bin/pip" install -q "$torch" 2>&1 | grep -v WARNING || true
+	say "installing bunshin-gym (editable) with pinned dependencies"
+	"$VENV/bin/pip" install -q -c "$REPO/constraints.txt" -e "$REPO[web,train,dev]" 2>&1 | grep -v WARNING || true
+	"$VENV/bin/python" -c "import bunshin_gym, gymnasium, torch, trl" 
+	echo "$stamp" > "$VENV/.bunshin-stamp"
+else
+	say "virtual environment up to date ($VENV)"
+fi
+BUNSHIN="$VENV/bin/bunshin"
+
+# 4. btrfs pool in a loop file, mounted; 5. workspace images (cached by recipe).
+"$VENV/bin/python" -c "from bunshin_gym.workspace import pool; pool.ensure_pool()"
+"$BUNSHIN" image build $IMAGES
+say "done; 'bunshin doctor' checks everything:"
+"$BUNSHIN" doctor | tail -1
