@@ -204,6 +204,22 @@ static struct mm_struct *bsh_get_mm(struct task_struct *task)
 	return mm;
 }
 
+/*
+ * mm counter including the calling task's not yet synced share of it
+ * (SPLIT_RSS_COUNTING): copy_page_range() syncs current's cache into the mm
+ * when D is the caller, which must not show up as pages shared.
+ */
+static unsigned long bsh_counter(struct mm_struct *mm, int member)
+{
+	long v = get_mm_counter(mm, member);
+
+#ifdef SPLIT_RSS_COUNTING
+	if (current->mm == mm)
+		v += current->rss_stat.count[member];
+#endif
+	return v;
+}
+
 static long bsh_share(struct bunshin_share_req *req)
 {
 	unsigned long start = req->start, len = req->length, end = start + len;
@@ -353,8 +369,8 @@ static long bsh_share(struct bunshin_share_req *req)
 	tmp->vm_start = start;
 	tmp->vm_end = end;
 
-	anon0 = get_mm_counter(dst_mm, MM_ANONPAGES);
-	swap0 = get_mm_counter(dst_mm, MM_SWAPENTS);
+	anon0 = bsh_counter(dst_mm, MM_ANONPAGES);
+	swap0 = bsh_counter(dst_mm, MM_SWAPENTS);
 	ret = kf.copy_page_range(dvma, tmp);
 	/* S's PTEs lost their write bit: as dup_mmap() does, flush S's TLB. */
 	kf.flush_tlb_mm_range(src_mm, start, end, PAGE_SHIFT, false);
@@ -364,8 +380,8 @@ static long bsh_share(struct bunshin_share_req *req)
 		ret = -ENOMEM;
 		goto unlock;
 	}
-	req->pages_mapped = get_mm_counter(dst_mm, MM_ANONPAGES) - anon0;
-	req->swap_shared = get_mm_counter(dst_mm, MM_SWAPENTS) - swap0;
+	req->pages_mapped = bsh_counter(dst_mm, MM_ANONPAGES) - anon0;
+	req->swap_shared = bsh_counter(dst_mm, MM_SWAPENTS) - swap0;
 
 unlock:
 	bsh_unlock_two(src_mm, dst_mm);
