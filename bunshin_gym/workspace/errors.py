@@ -28,3 +28,12 @@ class AgentError(WorkspaceError):
 
 class SetupError(WorkspaceError):
     """A host prerequisite is missing; the message says which command fixes it."""
+
+
+class ForkError(WorkspaceError):
+    """A snapshot, fork or rollback failed; the message names the CRIU log. The source is
+    left running and unchanged."""
+
+
+class SnapshotError(WorkspaceError):
+    """No such snapshot, a corrupt one (named), or one still in use."""

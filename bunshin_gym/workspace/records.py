@@ -40,6 +40,9 @@ class Record:
     owner: int | None = None  # controller pid; None for workspaces started detached (CLI)
     owner_start: int | None = None
     created: float = 0.0
+    layer: str = ""  # runtime layer (top overlay lower) this workspace was started with
+    memory_mode: str = "share"  # how its clones get their memory (workspace/memory.py)
+    snapshot: str | None = None  # the snapshot it was restored from, if any
     extra: dict = field(default_factory=dict)
 
     def owner_alive(self) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import select
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -23,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import pool, records
+from bunshin_gym.workspace import pool, records, snapshot
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
-from bunshin_gym.workspace.errors import WorkspaceClosed, WorkspaceError
+from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
+from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release, uses_ksm
 from bunshin_gym.workspace.runtime import ensure_runtime
+from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
 
 
 @dataclass
@@ -57,17 +58,21 @@ class Workspace:
 
     # life cycle ----------------------------------------------------------------------
     @classmethod
-    def create(cls, image: str = "base", *, detached: bool = False, ready_timeout: float = 30.0,
-               ws_id: str | None = None) -> Workspace:
+    def create(cls, image: str = "base", *, memory_mode: str = DEFAULT_MODE, detached: bool = False,
+               ready_timeout: float = 30.0, ws_id: str | None = None) -> Workspace:
         """Start a workspace from an image (which must be built: ``bunshin image build``).
 
         Args:
             image: image name (``bunshin image ls``).
             detached: keep it running after this process exits (``bunshin ws start``);
                 otherwise ``bunshin gc`` reclaims it once this process is gone.
+            memory_mode: how clones of this workspace get their memory (see
+                :mod:`bunshin_gym.workspace.memory`): "share" (default), "ksm", "copy",
+                or the unsafe opt-in "map-anon".
             ready_timeout: seconds to wait for the agent to answer.
             ws_id: the workspace id (default: a random ``ws-xxxxxxxx``).
         """
+        mode = MemoryMode.parse(memory_mode)
         p = pool.require_pool()
         image_path = ImageStore(p).get(image)
         layer = ensure_runtime(p)
@@ -77,7 +82,7 @@ class Workspace:
         rec = records.Record(
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
             owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
-            created=time.time(),
+            created=time.time(), layer=str(layer), memory_mode=mode.value,
         )
         records.save(rec, p)
         ws = cls(rec, p)
@@ -96,8 +101,7 @@ class Workspace:
             rec.pid1 = int(proc.stdout)
             rec.pid1_start = records.proc_start_time(rec.pid1)
             records.save(rec, p)
-            ws._client = AgentClient(rec.pid1, ws_id)
-            ws._client.wait_ready(ready_timeout)
+            ws._connect(ready_timeout)
         except BaseException:
             ws.close()
             raise
@@ -114,6 +118,10 @@ class Workspace:
         if not rec.running():
             raise WorkspaceClosed(f"workspace {ws_id} is not running (reclaim it with: bunshin gc)")
         return cls(rec, p)
+
+    def _connect(self, timeout: float = 30.0) -> None:
+        self._client = AgentClient(self._rec.pid1, self.id)
+        self._client.wait_ready(timeout)
 
     def close(self) -> None:
         """Stop every process and reclaim the cgroup, the upper layer and the record."""
@@ -219,6 +227,74 @@ class Workspace:
         if self._client is not None:
             self._client.disconnect()
 
+    def _quiesce_agent(self, timeout: float = 5.0) -> None:
+        """Drop our connection and wait until the agent has closed its end too: CRIU cannot
+        dump a unix connection whose peer is outside the workspace.
+
+        The server end of a connection accepted from the host belongs to the host's network
+        namespace (the kernel creates it in the connecting socket's), so we look for
+        sockets held by the workspace's processes that appear in our own namespace's table.
+        """
+        self.disconnect()
+        deadline = time.monotonic() + timeout
+        while True:
+            held = _socket_inodes(self.pids())
+            host = {ln.split()[6] for ln in Path("/proc/self/net/unix").read_text().splitlines()[1:]}
+            if not held & host:
+                return
+            if time.monotonic() > deadline:
+                raise WorkspaceError(f"workspace {self.id}: connections to the host stay open "
+                                     f"(socket inodes {sorted(held & host)}); cannot snapshot")
+            time.sleep(0.0005)
+
+    # fork ----------------------------------------------------------------------------
+    def snapshot(self, *, tags: dict | None = None) -> Snapshot:
+        """Freeze, dump (the source keeps running), snapshot the files, thaw.
+
+        Args:
+            tags: free-form metadata stored with the snapshot (task, tool-call signature).
+        """
+        self._check_open()
+        return snapshot.take(self, tags=tags)
+
+    def fork(self, n: int = 1, *, mode: str | None = None) -> list[Workspace]:
+        """``n`` live clones of this workspace as it is now (a snapshot, then its fork).
+
+        The snapshot lives as long as a clone needs it and is deleted after.
+        """
+        self._check_open()
+        snap = snapshot.take(self, ephemeral=True)
+        try:
+            return snap.fork(n, mode=mode)
+        finally:
+            snapshot.release_snapshot(snap.id, self._p)
+
+    def rollback(self, snap: Snapshot | str | None = None) -> None:
+        """Return in place to a snapshot's state; this handle (and its id) stays valid.
+
+        Args:
+            snap: a snapshot (or its id) of this workspace's image; default: the snapshot
+                this workspace was restored from.
+        """
+        self._check_open()
+        if snap is None:
+            if not self._rec.snapshot:
+                raise SnapshotError(f"workspace {self.id} was not restored from a snapshot; "
+                                    "give rollback() one")
+            snap = self._rec.snapshot
+        if isinstance(snap, str):
+            snap = SnapshotStore(self._p).get(snap)
+        old = self._rec.snapshot
+        snapshot.restore_in_place(self, snap)
+        self._connect()
+        if old != snap.id:
+            snapshot.release_snapshot(old, self._p)
+
+    @property
+    def base_snapshot(self) -> str | None:
+        """Id of the snapshot this workspace was restored from (None for a fresh one)."""
+        return self._rec.snapshot
+
     # freezer and memory --------------------------------------------------------------
     def freeze(self) -> None:
         self._check_open()
@@ -262,6 +338,23 @@ def _command(cmd: str | Sequence[str]) -> dict:
     return {"argv": argv}
 
 
+def _socket_inodes(pids: list[int]) -> set[str]:
+    found = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(target[8:-1])
+    return found
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     try:
         fd = os.pidfd_open(pid)
@@ -280,13 +373,11 @@ def reclaim(rec: records.Record, p: Paths | None = None) -> None:
     """
     p = p or paths()
     cg = Cgroup(rec.cgroup)
-    if rec.running():
-        try:
-            os.kill(rec.pid1, signal.SIGKILL)  # PID 1's death kills the whole pid namespace
-        except ProcessLookupError:
-            pass
-        _wait_gone(rec.pid1, 10.0)
+    snapshot.stop_processes(rec)
     if cg.exists():
         cg.remove()
     pool.delete_subvolume(Path(rec.subvolume))
+    if uses_ksm(MemoryMode(rec.memory_mode)) and rec.snapshot:
+        ksm_release(rec.id)
     records.remove(rec.id, p)
+    snapshot.release_snapshot(rec.snapshot, p)

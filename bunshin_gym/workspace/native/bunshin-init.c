@@ -10,6 +10,12 @@
  *       /.bunshin/init pid1 from inside the workspace. Prints PID 1's host pid on success;
  *       on failure prints the failing step and exits 1 (nothing is left running).
  *
+ *   bunshin-init restore ROOT LOWERDIRS UPPER WORK MERGE [CGROUP_PROCS_FILE...] -- CMD...
+ *       Joins the cgroups, enters a private mount namespace, mounts overlay(LOWERDIRS, UPPER)
+ *       on ROOT and execs CMD (criu restore --root ROOT ...). The overlay exists only in this
+ *       short-lived namespace and in the one CRIU builds from it: nothing appears on the host.
+ *       MERGE=1 sets PR_SET_MEMORY_MERGE first, so every restored process is KSM-mergeable.
+ *
  *   /.bunshin/init pid1
  *       The workspace's init: installs the workspace seccomp filter for the whole tree,
  *       starts the in-workspace agent (restarting it if it dies) and reaps orphans.
@@ -176,6 +182,37 @@ static void setup_root(const char *root, const char *lower, const char *upper, c
 	}
 }
 
+static int restore(int argc, char **argv)
+{
+	char opts[4096];
+	int sep = 0;
+
+	for (int i = 2; i < argc; i++)
+		if (!strcmp(argv[i], "--")) {
+			sep = i;
+			break;
+		}
+	if (argc < 8 || sep < 7 || sep == argc - 1) {
+		fprintf(stderr, "usage: bunshin-init restore ROOT LOWERDIRS UPPER WORK MERGE "
+				"[CGROUP_PROCS_FILE...] -- CMD...\n");
+		return 2;
+	}
+	for (int i = 7; i < sep; i++)
+		join_cgroup(argv[i]);
+	if (unshare(CLONE_NEWNS))
+		fail("unshare");
+	mountx("none", "/", NULL, MS_REC | MS_PRIVATE, NULL);
+	if (snprintf(opts, sizeof(opts), "lowerdir=%s,upperdir=%s,workdir=%s", argv[3], argv[4],
+		     argv[5]) >= (int)sizeof(opts))
+		fail("overlay options too long");
+	mountx("overlay", argv[2], "overlay", 0, opts);
+	if (!strcmp(argv[6], "1") && prctl(67 /* PR_SET_MEMORY_MERGE */, 1, 0, 0, 0))
+		fail("PR_SET_MEMORY_MERGE");
+	execv(argv[sep + 1], argv + sep + 1);
+	fail("exec %s", argv[sep + 1]);
+	return 1;
+}
+
 /* No descriptor of the host may survive into the workspace (CRIU could not dump it). */
 static void own_stdio(void)
 {
@@ -329,8 +366,10 @@ int main(int argc, char **argv)
 {
 	if (argc >= 2 && !strcmp(argv[1], "launch"))
 		return launch(argc, argv);
+	if (argc >= 2 && !strcmp(argv[1], "restore"))
+		return restore(argc, argv);
 	if (argc >= 2 && !strcmp(argv[1], "pid1") && getpid() == 1)
 		return pid1();
-	fprintf(stderr, "usage: bunshin-init launch ... | pid1 (as PID 1 of a workspace)\n");
+	fprintf(stderr, "usage: bunshin-init launch ... | restore ... | pid1 (as PID 1 of a workspace)\n");
 	return 2;
 }

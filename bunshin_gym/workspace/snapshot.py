@@ -1,0 +1,332 @@
+"""BunshinFork: snapshots of live workspaces, forks and rollbacks.
+
+A snapshot is an immutable directory in the pool's snapshot store (bind-mounted read-only
+at ``/.snap`` in every workspace, so page images are reachable from inside clones)::
+
+    snapshots/<id>/meta.json   parent, image, runtime layer, memory mode, timings, tags
+    snapshots/<id>/criu/       CRIU images of the whole process tree (dumped --leave-running)
+    snapshots/<id>/fs          read-only btrfs snapshot of the workspace's upper layer
+
+``meta.json`` is written last: a snapshot without it is incomplete and reported as corrupt.
+The files of a child are a btrfs delta of its parent's; in the ``share`` modes its page
+image references its parent's page files for every page the clone did not write.
+
+Example:
+    >>> ws = Workspace.create("base")
+    >>> snap = ws.snapshot()                 # source frozen only while dumping
+    >>> a, b = snap.fork(2)                  # two live clones, fresh namespaces each
+    >>> a.exec("touch /root/a"); ws.rollback(snap)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import memory, pool, records
+from bunshin_gym.workspace.cgroups import Cgroup, unified
+from bunshin_gym.workspace.errors import ForkError, SnapshotError
+
+if TYPE_CHECKING:
+    from bunshin_gym.workspace.workspace import Workspace
+
+#: snapshot chains deeper than this are dumped flat (BUNSHIN_MAX_SNAPSHOT_DEPTH)
+MAX_DEPTH = int(os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8"))
+
+DUMP_FLAGS = [
+    "--leave-running", "--tcp-established", "--network-lock", "nftables", "--file-locks",
+    "--ghost-limit", "256M", "--irmap-scan-path", "/usr/share/zoneinfo",
+    "--external", "mnt[/.snap]:snap", "--manage-cgroups=ignore",
+]
+
+
+class Snapshot:
+    """A frozen, immutable state of a workspace that clones can be forked from."""
+
+    def __init__(self, path: Path, meta: dict, p: Paths | None = None):
+        self.path = path
+        self.meta = meta
+        self._p = p or paths()
+
+    id = property(lambda self: self.meta["id"])
+    parent = property(lambda self: self.meta.get("parent"))
+    image = property(lambda self: self.meta["image"])
+    depth = property(lambda self: self.meta.get("depth", 0))
+    tags = property(lambda self: self.meta.get("tags", {}))
+    mode = property(lambda self: memory.MemoryMode(self.meta["memory_mode"]))
+    criu_dir = property(lambda self: self.path / "criu")
+    fs = property(lambda self: self.path / "fs")
+
+    def __repr__(self) -> str:
+        return f"<Snapshot {self.id} of {self.meta.get('workspace')} parent={self.parent}>"
+
+    def fork(self, n: int = 1, *, mode: str | memory.MemoryMode | None = None,
+             detached: bool = False) -> list[Workspace]:
+        """Restore ``n`` live clones concurrently, each in fresh namespaces and its own cgroup.
+
+        Args:
+            n: number of clones.
+            mode: memory mode of the clones (default: the snapshot's).
+            detached: keep the clones after this process exits (CLI use).
+        """
+        from bunshin_gym.workspace.workspace import Workspace
+
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        mode = memory.MemoryMode.parse(mode or self.mode)
+        me = os.getpid()
+        recs = []
+        for _ in range(n):
+            ws_id = f"ws-{secrets.token_hex(4)}"
+            recs.append(records.Record(
+                id=ws_id, image=self.image, image_path=self.meta["image_path"], layer=self.meta["layer"],
+                subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
+                snapshot=self.id, owner=None if detached else me,
+                owner_start=None if detached else records.proc_start_time(me), created=time.time(),
+            ))
+        clones = [Workspace(rec, self._p) for rec in recs]
+        try:
+            for rec in recs:
+                records.save(rec, self._p)
+                Cgroup.create(rec.cgroup)
+            procs = [_start_restore(self, rec, mode, self._p) for rec in recs]
+            for rec, proc in zip(recs, procs):
+                _finish_restore(rec, proc, self._p)
+            for ws in clones:
+                ws._connect()
+        except BaseException:
+            for ws in clones:
+                ws.close()
+            raise
+        return clones
+
+    # usage and deletion --------------------------------------------------------------
+    def users(self) -> dict[str, list[str]]:
+        """Live workspaces restored from this snapshot, and child snapshots that need it."""
+        clones = [r.id for r in records.all_records(self._p) if r.snapshot == self.id and r.running()]
+        children = [s.id for s in SnapshotStore(self._p).list() if s.parent == self.id]
+        return {"clones": clones, "children": children}
+
+    def size(self) -> int:
+        """Bytes of this snapshot's own CRIU images (the files are a btrfs delta)."""
+        return sum(f.stat().st_size for f in self.criu_dir.iterdir() if f.is_file())
+
+    def delete(self) -> None:
+        """Delete the snapshot; refused while a clone or a child snapshot uses it."""
+        users = self.users()
+        if users["clones"] or users["children"]:
+            raise SnapshotError(f"snapshot {self.id} is in use by clones {users['clones']} and child "
+                                f"snapshots {users['children']}; close or delete those first")
+        _remove_dir(self.path)
+
+
+class SnapshotStore:
+    """The snapshots on this host."""
+
+    def __init__(self, p: Paths | None = None):
+        self.p = p or paths()
+
+    def get(self, snap_id: str) -> Snapshot:
+        path = self.p.snapshots / snap_id
+        if not path.is_dir():
+            raise SnapshotError(f"no snapshot {snap_id!r} in {self.p.snapshots}")
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot {snap_id} is corrupt or incomplete: no meta.json") from None
+        except json.JSONDecodeError as e:
+            raise SnapshotError(f"snapshot {snap_id} is corrupt: meta.json: {e}") from None
+        for part in ("criu/inventory.img", "criu/pstree.img", "fs/upper"):
+            if not (path / part).exists():
+                raise SnapshotError(f"snapshot {snap_id} is corrupt: {part} is missing")
+        return Snapshot(path, meta, self.p)
+
+    def list(self) -> list[Snapshot]:
+        out = []
+        for d in sorted(self.p.snapshots.iterdir()) if self.p.snapshots.exists() else []:
+            if (d / "meta.json").exists():
+                try:
+                    out.append(Snapshot(d, json.loads((d / "meta.json").read_text()), self.p))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+
+# taking a snapshot ---------------------------------------------------------------------
+def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) -> Snapshot:
+    """Snapshot a live workspace: freeze, snapshot the upper layer, dump, thaw.
+
+    The source keeps running unchanged; on any failure it is thawed and the partial
+    snapshot removed, and the error names the CRIU log (kept under ``$BUNSHIN_RUN/logs``).
+    """
+    p = ws._p
+    rec = ws._rec
+    parent = SnapshotStore(p).get(rec.snapshot) if rec.snapshot else None
+    snap_id = f"snap-{secrets.token_hex(4)}"
+    path = p.snapshots / snap_id
+    (path / "criu").mkdir(parents=True)
+    times: dict[str, float] = {}
+    cg = ws.cgroup
+    try:
+        ws._quiesce_agent()
+        t0 = time.perf_counter()
+        cg.freeze()
+        times["freeze_ms"] = _ms(t0)
+        try:
+            t = time.perf_counter()
+            pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
+            times["files_ms"] = _ms(t)
+            t = time.perf_counter()
+            freezer = cg.dirs[0] if unified() else cg.dirs[1]
+            proc = subprocess.run(
+                [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS,
+                 "--freeze-cgroup", str(freezer), "-o", "dump.log", "-v4"],
+                capture_output=True, text=True,
+            )
+            times["dump_ms"] = _ms(t)
+        finally:
+            t = time.perf_counter()
+            cg.thaw()
+            times["thaw_ms"] = _ms(t)
+            times["frozen_ms"] = _ms(t0)
+        if proc.returncode != 0:
+            log = _keep_log(p, path / "criu" / "dump.log", f"{snap_id}-dump.log")
+            raise ForkError(f"CRIU dump of workspace {ws.id} failed (exit {proc.returncode}): "
+                            f"{_last_error(log)}; log: {log}")
+    except BaseException:
+        _remove_dir(path)
+        raise
+    meta = {
+        "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
+        "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
+        "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+        "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
+    }
+    snap = Snapshot(path, meta, p)
+    meta["criu_bytes"] = snap.size()
+    tmp = path / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.rename(tmp, path / "meta.json")
+    return snap
+
+
+# restoring -----------------------------------------------------------------------------
+def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode, p: Paths) -> subprocess.Popen:
+    """Lay the clone's files and start ``criu restore`` for it (returns at once)."""
+    sub = Path(rec.subvolume)
+    pool.snapshot_subvolume(snap.fs, sub)
+    logs = p.run / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    layer = rec.layer
+    env = dict(os.environ, **memory.restore_env(mode, f"/.snap/{snap.id}/criu"))
+    if memory.uses_ksm(mode):
+        memory.ksm_acquire(rec.id)
+    cmd = [
+        f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
+        str(sub / "upper"), str(sub / "work"), "1" if memory.uses_ksm(mode) else "0",
+        *Cgroup(rec.cgroup).procs_files, "--",
+        str(p.criu), "restore", "-D", str(snap.criu_dir), "--restore-detached", "--root", str(sub / "root"),
+        "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
+        "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
+        "-o", str(logs / f"{rec.id}-restore.log"), "-v4",
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> None:
+    out, err = proc.communicate()
+    logs = p.run / "logs"
+    log = logs / f"{rec.id}-restore.log"
+    if proc.returncode != 0:
+        raise ForkError(f"CRIU restore of {rec.id} from snapshot {rec.snapshot} failed "
+                        f"(exit {proc.returncode}): {_last_error(log) or err.strip()}; log: {log}")
+    pidfile = logs / f"{rec.id}.pid"
+    rec.pid1 = int(pidfile.read_text())
+    rec.pid1_start = records.proc_start_time(rec.pid1)
+    pidfile.unlink()
+    log.unlink(missing_ok=True)
+    records.save(rec, p)
+
+
+def restore_in_place(ws: Workspace, snap: Snapshot) -> None:
+    """Rollback: replace a workspace's processes and files with a snapshot's, same handle."""
+    rec, p = ws._rec, ws._p
+    if snap.meta["image_path"] != rec.image_path:
+        raise SnapshotError(f"snapshot {snap.id} is of image {snap.image}, workspace {ws.id} runs {rec.image}")
+    ws.disconnect()
+    stop_processes(rec)
+    pool.delete_subvolume(Path(rec.subvolume))
+    rec.snapshot, rec.pid1, rec.pid1_start, rec.layer = snap.id, None, None, snap.meta["layer"]
+    records.save(rec, p)
+    mode = memory.MemoryMode(rec.memory_mode)
+    _finish_restore(rec, _start_restore(snap, rec, mode, p), p)
+
+
+def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
+    """Kill every process of a workspace and wait until its cgroup is empty."""
+    from bunshin_gym.workspace.workspace import _wait_gone
+
+    if rec.running():
+        try:
+            os.kill(rec.pid1, signal.SIGKILL)  # PID 1's death kills the whole pid namespace
+        except ProcessLookupError:
+            pass
+        _wait_gone(rec.pid1, timeout)
+    cg = Cgroup(rec.cgroup)
+    deadline = time.monotonic() + timeout
+    while cg.exists() and cg.pids():
+        cg.kill_all()
+        if time.monotonic() > deadline:
+            raise ForkError(f"workspace {rec.id}: processes {cg.pids()} survive SIGKILL")
+        time.sleep(0.001)
+
+
+def release_snapshot(snap_id: str | None, p: Paths) -> None:
+    """Delete an ephemeral snapshot (made by ``Workspace.fork``) once nothing uses it."""
+    if not snap_id:
+        return
+    try:
+        snap = SnapshotStore(p).get(snap_id)
+    except SnapshotError:
+        return
+    if snap.meta.get("ephemeral") and not any(snap.users().values()):
+        _remove_dir(snap.path)
+        release_snapshot(snap.parent, p)
+
+
+# helpers -------------------------------------------------------------------------------
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 2)
+
+
+def _remove_dir(path: Path) -> None:
+    if (path / "fs").exists():
+        pool.delete_subvolume(path / "fs")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _keep_log(p: Paths, log: Path, name: str) -> Path:
+    dst = p.run / "logs" / name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if log.exists():
+        shutil.copy(log, dst)
+    else:
+        dst.write_text("(CRIU wrote no log)\n")
+    return dst
+
+
+def _last_error(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    errs = [ln for ln in lines if "Error" in ln]
+    return (errs[-1] if errs else (lines[-1] if lines else "")).strip()[:300]
