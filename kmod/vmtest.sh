@@ -126,7 +126,12 @@ LOG=$BUILD/serial-$MODE.log
 # catches hangs; a missing result marker is a failure.
 log "booting ($MODE, timeout ${TIMEOUT}s, serial log $LOG)"
 set +e
+# Two NUMA nodes, so that the tests can migrate shared pages (the rmap must
+# find every mapping of a page to move it).
+MEMMB=$(( ${MEM%M} / 2 ))
 $NICE timeout --kill-after=10 "$TIMEOUT" qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m "$MEM" \
+	-object memory-backend-ram,id=m0,size=${MEMMB}M -object memory-backend-ram,id=m1,size=${MEMMB}M \
+	-numa node,nodeid=0,cpus=0,memdev=m0 -numa node,nodeid=1,cpus=1,memdev=m1 \
 	-display none -monitor none -serial stdio -no-reboot \
 	-kernel "$KCACHE/vmlinuz" -initrd "$BUILD/initramfs.cpio.gz" \
 	-append "console=ttyS0 oops=panic panic=-1 transparent_hugepage=madvise $EXTRA bunshin.mode=$MODE" \

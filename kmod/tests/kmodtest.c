@@ -115,7 +115,7 @@ static int share(int src_pidfd, int dst_pidfd, uint64_t start, uint64_t len)
 
 /* ---- server processes ---- */
 enum { OP_MMAP = 1, OP_FILL, OP_FILLCONST, OP_READ, OP_WRITE, OP_MUNMAP, OP_MADVISE,
-       OP_MLOCK, OP_MMAPFILE, OP_VERIFY, OP_EXIT };
+       OP_MLOCK, OP_MMAPFILE, OP_VERIFY, OP_MREMAP, OP_EXIT };
 
 struct cmd { int op; uint64_t a, b, c, d; };
 struct resp { int64_t ret; uint64_t val; };
@@ -185,6 +185,11 @@ static void serve(int rfd, int wfd)
 		case OP_MADVISE:
 			r.ret = madvise((void *)c.a, c.b, (int)c.c) ? -errno : 0;
 			break;
+		case OP_MREMAP: { /* a=old b=len c=new */
+			void *p = mremap((void *)c.a, c.b, c.b, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)c.c);
+			r.ret = p == MAP_FAILED ? -errno : 0;
+			break;
+		}
 		case OP_MLOCK:
 			r.ret = mlock((void *)c.a, c.b) ? -errno : 0;
 			break;
@@ -686,6 +691,128 @@ static void test_swap(void)
 	end();
 }
 
+
+/*
+ * Page migration has to find and unmap every PTE of a page through the rmap.
+ * If D's mapping were invisible to the rmap, migrating a shared page would
+ * fail (or leave D on the old frame).  Moving S's shared pages to NUMA node 1
+ * must move D's view too: both keep mapping one frame, now a new one.
+ */
+static int move_pages_to(pid_t pid, uint64_t addr, uint64_t n, int node, int *status)
+{
+	void *pages[64];
+	int nodes[64];
+
+	for (uint64_t i = 0; i < n; i++) {
+		pages[i] = (void *)(addr + i * PG);
+		nodes[i] = node;
+		status[i] = -1;
+	}
+	return syscall(SYS_move_pages, pid, n, pages, nodes, status, 4 /* MPOL_MF_MOVE_ALL */);
+}
+
+static void rmap_migration_check(struct server *s, uint64_t A, uint64_t n, uint64_t seed, const char *what)
+{
+	uint64_t before[64];
+	int status[64], moved = 0, bad = 0, rc;
+
+	for (uint64_t p = 0; p < n; p++)
+		before[p] = PM_PFN(pagemap(s->pid, A + p * PG));
+	rc = move_pages_to(s->pid, A, n, 1, status);
+	CHECK(rc == 0, "%s: move_pages: %s", what, strerror(errno));
+	for (uint64_t p = 0; p < n; p++) {
+		uint64_t es = pagemap(s->pid, A + p * PG), ed = pagemap(getpid(), A + p * PG);
+
+		if (status[p] == 1 && PM_PFN(es) != before[p])
+			moved++;
+		if (!(es & PM_PRESENT) || !(ed & PM_PRESENT) || PM_PFN(es) != PM_PFN(ed))
+			bad++;
+	}
+	printf("  %s: %d of %" PRIu64 " shared pages migrated to node 1 (status[0]=%d), %d not on one frame\n",
+	       what, moved, n, status[0], bad);
+	CHECK(moved == (int)n, "%s: only %d pages migrated", what, moved);
+	CHECK(bad == 0, "%s: %d pages of S and D no longer on the same frame", what, bad);
+	CHECK(verify_local(A, n, seed, 0) == 0, "%s: D content after migration", what);
+}
+
+static void test_rmap(void)
+{
+	const uint64_t A = BASE(14), X = BASE(15), B = BASE(16), N = 32;
+	struct server s;
+	struct resp r;
+
+	begin("rmap_finds_D_migration");
+	if (access("/sys/devices/system/node/node1", F_OK)) {
+		skip("VM has one NUMA node");
+		return;
+	}
+	s = spawn();
+	call(&s, OP_MMAP, A, N * PG, RW, PA);
+	call(&s, OP_MADVISE, A, N * PG, MADV_NOHUGEPAGE, 0);
+	call(&s, OP_FILL, A, N, 14, 0);
+	dmap(A, N * PG, RW, MADV_NOHUGEPAGE);
+	CHECK(share(s.pidfd, -1, A, N * PG) == 0, "share: %s", strerror(errno));
+	rmap_migration_check(&s, A, N, 14, "same pgoff");
+	/* still copy-on-write after migration */
+	*(uint64_t *)A = 1;
+	r = call(&s, OP_READ, A, 0, 0, 0);
+	CHECK(r.val == pat(14, 0, 0), "S sees D's write after migration");
+	munmap((void *)A, N * PG);
+	end();
+
+	begin("rmap_mremapped_source_pgoff");
+	/* S's VMA was moved by mremap: its vm_pgoff no longer matches its address */
+	call(&s, OP_MMAP, X, N * PG, RW, PA);
+	call(&s, OP_MADVISE, X, N * PG, MADV_NOHUGEPAGE, 0);
+	call(&s, OP_FILL, X, N, 16, 0);
+	r = call(&s, OP_MREMAP, X, N * PG, B, 0);
+	CHECK(r.ret == 0, "mremap %" PRId64, r.ret);
+	dmap(B, N * PG, RW, MADV_NOHUGEPAGE);
+	CHECK(share(s.pidfd, -1, B, N * PG) == 0, "share: %s", strerror(errno));
+	CHECK(verify_local(B, N, 16, 0) == 0, "D content");
+	rmap_migration_check(&s, B, N, 16, "mremapped S");
+	stop(&s);
+	CHECK(verify_local(B, N, 16, 0) == 0, "D content after S exit");
+	munmap((void *)B, N * PG);
+	end();
+}
+
+static void test_reshare(void)
+{
+	const uint64_t A = BASE(17), N = 32;
+	struct server s = spawn();
+	uint64_t *d;
+	struct resp r;
+
+	begin("reshare_into_linked_vma");
+	call(&s, OP_MMAP, A, N * PG, RW, PA);
+	call(&s, OP_MADVISE, A, N * PG, MADV_NOHUGEPAGE, 0);
+	call(&s, OP_FILL, A, N, 17, 0);
+	d = dmap(A, N * PG, RW, MADV_NOHUGEPAGE);
+	/* first half, then the second half of the same D VMA from the same S VMA */
+	CHECK(share(s.pidfd, -1, A, N / 2 * PG) == 0, "first share: %s", strerror(errno));
+	d[0] = 0xabc;	/* D now has a private page of its own in this VMA */
+	CHECK(share(s.pidfd, -1, A + N / 2 * PG, N / 2 * PG) == 0, "second share: %s", strerror(errno));
+	CHECK(last_req.pages_mapped == N / 2, "pages_mapped %llu", (unsigned long long)last_req.pages_mapped);
+	CHECK(d[0] == 0xabc, "D's own page outside the second range changed");
+	{
+		int bad = 0;
+
+		for (uint64_t p = 1; p < N; p++)
+			for (uint64_t i = 0; i < WORDS; i++)
+				bad += d[p * WORDS + i] != pat(17, p, i);
+		CHECK(bad == 0, "%d words differ", bad);
+	}
+	/* sharing over D's own page again replaces it with S's content */
+	CHECK(share(s.pidfd, -1, A, PG) == 0, "third share: %s", strerror(errno));
+	CHECK(d[0] == pat(17, 0, 0), "re-shared page not S's: %#" PRIx64, d[0]);
+	r = call(&s, OP_READ, A, 0, 0, 0);
+	CHECK(r.val == pat(17, 0, 0), "S changed");
+	stop(&s);
+	munmap(d, N * PG);
+	end();
+}
+
 static void expect_err(const char *what, int got, int want)
 {
 	printf("  %-44s -> %s (%s)\n", what, got ? strerror(-got) : "success",
@@ -941,6 +1068,8 @@ int main(int argc, char **argv)
 		test_thp();
 		test_ksm();
 		test_swap();
+		test_rmap();
+		test_reshare();
 		test_errors();
 		printf("summary: %d passed, %d failed, %d skipped\n", passes, failures, skips);
 	}
