@@ -78,6 +78,9 @@ class Workspace:
         layer = ensure_runtime(p)
         ws_id = ws_id or f"ws-{secrets.token_hex(4)}"
         sub = p.workspaces / ws_id
+        if records.load(ws_id, p) is not None or sub.exists() or Cgroup(ws_id).exists():
+            # reclaiming the failed create would destroy the workspace that has this id
+            raise WorkspaceError(f"workspace id {ws_id!r} is already in use")
         me = os.getpid()
         rec = records.Record(
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
