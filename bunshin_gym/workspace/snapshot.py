@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from bunshin_gym.config import Paths, paths
 from bunshin_gym.workspace import memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup, unified
-from bunshin_gym.workspace.errors import ForkError, SnapshotError
+from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
@@ -274,13 +274,20 @@ def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
     """Kill every process of a workspace and wait until its cgroup is empty."""
     from bunshin_gym.workspace.workspace import _wait_gone
 
-    if rec.running():
+    cg = Cgroup(rec.cgroup)
+    running = rec.running()
+    if running:
         try:
             os.kill(rec.pid1, signal.SIGKILL)  # PID 1's death kills the whole pid namespace
         except ProcessLookupError:
             pass
+    if cg.exists():
+        try:  # a frozen task cannot die (cgroup v1): thaw, the pending SIGKILL then lands first
+            cg.thaw(timeout=1)
+        except (WorkspaceError, OSError):
+            pass
+    if running:
         _wait_gone(rec.pid1, timeout)
-    cg = Cgroup(rec.cgroup)
     deadline = time.monotonic() + timeout
     while cg.exists() and cg.pids():
         cg.kill_all()
