@@ -2,7 +2,8 @@
 
     bunshin doctor                      check prerequisites, say how to fix them
     bunshin image build NAME | ls       build or list workspace images
-    bunshin ws start|exec|ls|stop       manage workspaces by hand
+    bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
+    bunshin snap ls|rm                  snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
     bunshin bench workspace --json P    benchmarks
     bunshin demo                        start, run, fork: what a workspace can do
@@ -68,6 +69,14 @@ def _cmd_ws(args) -> int:
             print(f"bunshin: command timed out after {args.timeout} s", file=sys.stderr)
             return 124
         return res.exit_code
+    if args.action == "fork":
+        src = Workspace.attach(args.id)
+        snap = src.snapshot(tags={"cli": "ws fork"})
+        clones = snap.fork(args.n, mode=args.mode, detached=True)
+        print(f"snapshot {snap.id} (source frozen {snap.meta['timings']['frozen_ms']:.0f} ms)")
+        for c in clones:
+            print(c.id)
+        return 0
     if args.action == "stop":
         ids = [r.id for r in records.all_records()] if args.all else args.ids
         for ws_id in ids:
@@ -83,11 +92,32 @@ def _cmd_ws(args) -> int:
     raise AssertionError(args.action)
 
 
+def _cmd_snap(args) -> int:
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    store = SnapshotStore()
+    if args.action == "ls":
+        snaps = store.list()
+        print(f"{'ID':<14} {'PARENT':<14} {'WORKSPACE':<12} {'MODE':<8} {'MB':>7} {'FROZEN ms':>9}  USERS")
+        for s in snaps:
+            u = s.users()
+            users = ", ".join(u["clones"] + [f"child {c}" for c in u["children"]]) or "-"
+            print(f"{s.id:<14} {s.parent or '-':<14} {s.meta['workspace']:<12} {s.mode.value:<8} "
+                  f"{s.meta['criu_bytes'] / 2**20:>7.1f} {s.meta['timings']['frozen_ms']:>9.0f}  {users}")
+        if not snaps:
+            print("no snapshots")
+        return 0
+    for snap_id in args.ids:
+        store.get(snap_id).delete()
+        print(f"deleted {snap_id}")
+    return 0
+
+
 def _cmd_gc(args) -> int:
     from bunshin_gym.workspace import gc
 
     rep = gc.collect(all_workspaces=args.all)
-    for kind in ("workspaces", "subvolumes", "cgroups", "partial_images"):
+    for kind in ("workspaces", "subvolumes", "cgroups", "partial_images", "snapshots"):
         items = getattr(rep, kind)
         if items:
             print(f"reclaimed {len(items)} {kind.replace('_', ' ')}: {', '.join(items)}")
@@ -134,10 +164,21 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
     e.add_argument("--user", default=None, help="run as this user (default root)")
     e.add_argument("command", nargs=argparse.REMAINDER, help="a shell line, or argv after --")
+    f = ws_sub.add_parser("fork", help="snapshot a workspace and start N detached clones of it")
+    f.add_argument("id")
+    f.add_argument("-n", type=int, default=1, help="number of clones (default 1)")
+    f.add_argument("--mode", default=None, help="memory mode: share (default), ksm, copy, map-anon")
     st = ws_sub.add_parser("stop", help="stop workspaces and reclaim them")
     st.add_argument("ids", nargs="*")
     st.add_argument("--all", action="store_true")
     ws.set_defaults(fn=_cmd_ws)
+
+    sn = sub.add_parser("snap", help="list or delete snapshots")
+    sn_sub = sn.add_subparsers(dest="action", required=True)
+    sn_sub.add_parser("ls", help="list snapshots and who uses them")
+    rm = sn_sub.add_parser("rm", help="delete snapshots (refused while in use)")
+    rm.add_argument("ids", nargs="+")
+    sn.set_defaults(fn=_cmd_snap)
 
     g = sub.add_parser("gc", help="reclaim what crashed processes left")
     g.add_argument("--all", action="store_true", help="also stop every running workspace")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import cgroups, pool, records
+from bunshin_gym.workspace import cgroups, memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.images import build_lock
+from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
 from bunshin_gym.workspace.workspace import reclaim
 
 
@@ -17,9 +19,10 @@ class GcReport:
     subvolumes: list[str] = field(default_factory=list)
     cgroups: list[str] = field(default_factory=list)
     partial_images: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
 
     def total(self) -> int:
-        return len(self.workspaces) + len(self.subvolumes) + len(self.cgroups) + len(self.partial_images)
+        return sum(len(v) for v in vars(self).values())
 
 
 def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport:
@@ -46,8 +49,31 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         cg.remove()
         rep.cgroups.append(name)
     if pool.is_mounted(p.pool):
+        rep.snapshots = _sweep_snapshots(p)
         with build_lock(p, blocking=False) as held:
             for tmp in sorted(p.images.glob(".build-*")) if held else []:
                 pool.delete_subvolume(tmp)
                 rep.partial_images.append(tmp.name)
     return rep
+
+
+def _sweep_snapshots(p: Paths) -> list[str]:
+    """Ephemeral snapshots nobody uses, and snapshot directories a crash left incomplete."""
+    swept = []
+    live = {r.snapshot for r in records.all_records(p) if r.running()}
+    for d in sorted(p.snapshots.iterdir()):
+        if d.name.startswith(".") or d.name in live:
+            continue
+        if not (d / "meta.json").exists():
+            if time.time() - d.stat().st_mtime > 60:  # an older one is no snapshot in progress
+                _remove_dir(d)
+                swept.append(d.name)
+            continue
+        if time.time() - d.stat().st_mtime < 60:  # a fork may be about to register its clones
+            continue
+        before = d.exists()
+        release_snapshot(d.name, p)
+        if before and not d.exists():
+            swept.append(d.name)
+    memory.ksm_release("", live={r.id for r in records.all_records(p)})
+    return swept

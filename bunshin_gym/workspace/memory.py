@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from bunshin_gym.config import paths
 
 
-class MemoryMode(str, Enum):
+class MemoryMode(StrEnum):
     COPY = "copy"
     KSM = "ksm"
     SHARE = "share"

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from bunshin_gym.config import Paths, paths
 from bunshin_gym.workspace import memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup, unified
-from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
+from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError, WorkspaceError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
@@ -98,7 +98,7 @@ class Snapshot:
                 records.save(rec, self._p)
                 Cgroup.create(rec.cgroup)
             procs = [_start_restore(self, rec, mode, self._p) for rec in recs]
-            for rec, proc in zip(recs, procs):
+            for rec, proc in zip(recs, procs, strict=True):
                 _finish_restore(rec, proc, self._p)
             for ws in clones:
                 ws._connect()
