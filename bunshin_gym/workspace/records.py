@@ -25,7 +25,14 @@ def proc_start_time(pid: int) -> int | None:
 
 
 def process_alive(pid: int | None, start_time: int | None) -> bool:
-    return pid is not None and start_time is not None and proc_start_time(pid) == start_time
+    """The process with this pid and start time still runs (a zombie is dead: a workspace's
+    PID 1 is orphaned by its launcher and stays a zombie until the host's init reaps it)."""
+    if pid is None or start_time is None or proc_start_time(pid) != start_time:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @dataclass
