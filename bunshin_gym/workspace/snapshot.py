@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from bunshin_gym.config import Paths, paths
 from bunshin_gym.workspace import memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup, unified
-from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError, WorkspaceError
+from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace

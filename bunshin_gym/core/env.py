@@ -1,0 +1,260 @@
+"""``WorkspaceEnv``: a Gymnasium env whose state is a live, forkable workspace.
+
+An env family (shell, desktop, web) subclasses it and fills in four hooks:
+``load_task`` (a task id, dict or path -> :class:`Task`), ``boot`` (start the family's
+services in a fresh workspace), ``execute`` (apply one action) and ``observe``.
+Everything else (episode bookkeeping, rewards at episode end, clone/snapshot/rollback)
+lives here.
+
+Life of an env: the first ``reset`` creates a workspace, boots it and snapshots that
+booted state; every later ``reset`` rolls back to it (a few hundred ms instead of a
+boot), runs the task's set-up and, by default, snapshots the state right after reset
+so ``rollback()`` can return there.
+
+Example:
+    >>> import gymnasium as gym, bunshin_gym
+    >>> env = gym.make("Bunshin-Shell-v0")
+    >>> obs, info = env.reset(options={"task": "shell/count-files"})
+    >>> a, b = env.clone(2)              # live forks of this episode
+    >>> a.step("ls /data | wc -l > answer.txt")
+    >>> env.rollback()                   # back to the state right after reset
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+
+from bunshin_gym.core.task import Task
+from bunshin_gym.workspace import Workspace, WorkspaceError
+from bunshin_gym.workspace.errors import SnapshotError
+
+
+class ActionError(ValueError):
+    """A malformed or impossible action: reported in the observation/info, never raised."""
+
+
+class ResetNeeded(RuntimeError):
+    """``step`` before ``reset``, or after the episode ended."""
+
+
+@dataclass
+class EnvSnapshot:
+    """A workspace snapshot plus the env's own episode state at that moment."""
+
+    workspace: Any
+    task: Task | None
+    steps: int
+    done: bool
+    state: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.workspace.id
+
+
+class _Owned:
+    """Snapshots made by an env and its clones, deleted when the last of them closes."""
+
+    def __init__(self) -> None:
+        self.envs = 0
+        self.snapshots: list[Any] = []
+
+    def release(self) -> None:
+        self.envs -= 1
+        if self.envs > 0:
+            return
+        for snap in sorted(self.snapshots, key=lambda s: -getattr(s, "depth", 0)):
+            try:
+                snap.delete()
+            except (SnapshotError, WorkspaceError):
+                pass  # still used elsewhere; `bunshin gc` or its user deletes it later
+        self.snapshots.clear()
+
+
+WorkspaceFactory = Callable[[str, str], Any]
+
+
+class WorkspaceEnv(gym.Env):
+    """Base class of the bunshin envs.
+
+    Args:
+        task: default task for ``reset`` (an id, a dict in the family's format, or a path).
+        image: workspace image (default: the family's).
+        memory_mode: memory mode of clones ("share", "ksm", "copy", "map-anon").
+        max_steps: episode cap; default the task's own.
+        reset_snapshot: snapshot the state right after each reset (needed by ``rollback()``
+            without an argument; costs one snapshot per reset).
+        workspace_factory: ``(image, memory_mode) -> workspace``; tests pass a fake here.
+    """
+
+    metadata = {"render_modes": []}
+    default_image = "base"
+
+    def __init__(self, task: Any = None, *, image: str | None = None, memory_mode: str = "share",
+                 max_steps: int | None = None, reset_snapshot: bool = True,
+                 workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None):
+        self.image = image or self.default_image
+        self.memory_mode = memory_mode
+        self.render_mode = render_mode
+        self._default_task = task
+        self._max_steps = max_steps
+        self._reset_snapshot_enabled = reset_snapshot
+        self._factory = workspace_factory or (lambda image, mode: Workspace.create(image, memory_mode=mode))
+        self._ws: Any = None
+        self._boot_snap: Any = None
+        self._reset_snap: EnvSnapshot | None = None
+        self._owned = _Owned()
+        self._owned.envs = 1
+        self.task: Task | None = None
+        self.steps = 0
+        self.done = False
+        self._closed = False
+
+    # hooks for env families ----------------------------------------------------------
+    def load_task(self, spec: Any) -> Task:
+        """Turn a task id, dict or path into a :class:`Task`."""
+        raise NotImplementedError
+
+    def boot(self, ws: Any) -> None:
+        """Start the family's services in a fresh workspace (captured by the boot snapshot)."""
+
+    def execute(self, action: Any) -> dict:
+        """Apply one action; return info entries. Raise :class:`ActionError` for a bad one.
+        Set ``self.done = True`` for an action that ends the episode (DONE, stop, ...)."""
+        raise NotImplementedError
+
+    def observe(self) -> Any:
+        """The observation of the current state."""
+        raise NotImplementedError
+
+    def release_connections(self) -> None:
+        """Close every connection from this process into the workspace (X display, browser
+        driver, sockets): CRIU cannot dump a connection that leaves the workspace. Called
+        before each snapshot and clone; reconnect lazily on the next use."""
+
+    def episode_state(self) -> dict:
+        """Extra per-episode state to carry in snapshots and clones (override with copies)."""
+        return {}
+
+    def restore_episode_state(self, state: dict) -> None:
+        """Inverse of :meth:`episode_state`."""
+
+    # gymnasium API ---------------------------------------------------------------------
+    @property
+    def workspace(self) -> Any:
+        """The live workspace (after the first reset)."""
+        if self._ws is None:
+            raise ResetNeeded("the env has no workspace yet: call reset() first")
+        return self._ws
+
+    @property
+    def max_steps(self) -> int:
+        return self._max_steps or (self.task.max_steps if self.task else 15)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._check_open()
+        spec = (options or {}).get("task", self._default_task)
+        if spec is None:
+            raise ValueError(f"{type(self).__name__}.reset needs a task: reset(options={{'task': ...}}) "
+                             "or a default task given to the constructor")
+        task = spec if isinstance(spec, Task) else self.load_task(spec)
+        self._fresh_workspace()
+        self.task, self.steps, self.done = task, 0, False
+        task.setup(self)
+        self._reset_snap = self.snapshot() if self._reset_snapshot_enabled else None
+        return self.observe(), {"task_id": task.id, "instruction": task.instruction}
+
+    def step(self, action: Any):
+        self._check_open()
+        if self.task is None:
+            raise ResetNeeded("call reset() before step()")
+        if self.done:
+            raise ResetNeeded(f"the episode of task {self.task.id} has ended: call reset() or rollback()")
+        info: dict = {}
+        try:
+            info.update(self.execute(action) or {})
+        except ActionError as e:
+            info["error"] = str(e)
+        self.steps += 1
+        terminated = self.done
+        truncated = not terminated and self.steps >= self.max_steps
+        reward = 0.0
+        if terminated or truncated:
+            self.done = True
+            reward = float(self.task.validate(self))
+            info["success"] = reward >= 1.0
+        return self.observe(), reward, terminated, truncated, info
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._ws is not None:
+            self.release_connections()
+            self._ws.close()
+            self._ws = None
+        self._owned.release()
+        super().close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResetNeeded(f"{type(self).__name__} is closed")
+
+    def _fresh_workspace(self) -> None:
+        if self._ws is not None and self._boot_snap is not None:
+            self.release_connections()
+            self._ws.rollback(self._boot_snap)
+            return
+        if self._ws is not None:
+            self._ws.close()
+        self._ws = self._factory(self.image, self.memory_mode)
+        self.boot(self._ws)
+        self.release_connections()
+        self._boot_snap = self._ws.snapshot(tags={"env": type(self).__name__, "boot": True})
+        self._owned.snapshots.append(self._boot_snap)
+
+    # fork API --------------------------------------------------------------------------
+    def snapshot(self, **tags: Any) -> EnvSnapshot:
+        """Snapshot the live episode (workspace + step count, task, env state)."""
+        self._check_open()
+        self.release_connections()
+        snap = self.workspace.snapshot(tags={"task": self.task.id if self.task else None, **tags})
+        self._owned.snapshots.append(snap)
+        return EnvSnapshot(snap, self.task, self.steps, self.done, copy.deepcopy(self.episode_state()))
+
+    def rollback(self, snapshot: EnvSnapshot | None = None) -> Any:
+        """Return to a snapshot (default: the state right after the last reset); returns
+        the observation there."""
+        self._check_open()
+        snap = snapshot or self._reset_snap
+        if snap is None:
+            raise ResetNeeded("nothing to roll back to: reset() first (with reset_snapshot=True) "
+                              "or pass a snapshot")
+        self.release_connections()
+        self.workspace.rollback(snap.workspace)
+        self.task, self.steps, self.done = snap.task, snap.steps, snap.done
+        self.restore_episode_state(copy.deepcopy(snap.state))
+        return self.observe()
+
+    def clone(self, n: int = 1, *, mode: str | None = None) -> list[WorkspaceEnv]:
+        """``n`` envs forked from this env's live state: same episode, same step count;
+        each evolves independently. Closing one never affects the others."""
+        self._check_open()
+        state = self.episode_state()
+        self.release_connections()
+        envs = []
+        for ws in self.workspace.fork(n, mode=mode):
+            twin = copy.copy(self)
+            twin._ws = ws
+            twin._closed = False
+            twin._np_random = copy.deepcopy(self._np_random)
+            twin.restore_episode_state(copy.deepcopy(state))
+            self._owned.envs += 1
+            envs.append(twin)
+        return envs

@@ -1,0 +1,1 @@
+"""Bunshin-Shell-v0: a terminal workspace; actions are shell commands."""

@@ -1,0 +1,147 @@
+"""Bunshin-Shell-v0: a terminal workspace. Actions are shell commands, observations their output.
+
+Task format (JSON, ``envs/shell/tasks/*.json``)::
+
+    {"id": "shell/count-files",
+     "instruction": "Write the number of files in /data to /home/user/answer.txt",
+     "setup": ["mkdir -p /data", "touch /data/a /data/b"],   # run as root before the episode
+     "check": "test \\"$(cat /home/user/answer.txt)\\" = 2",   # exit 0 = success (reward 1)
+     "max_steps": 10,
+     "oracle": ["ls /data | wc -l > /home/user/answer.txt", "DONE"]}
+
+Actions run as ``user`` in ``/home/user`` (as in OSWorld). ``DONE`` ends the episode and
+``FAIL`` gives up; both are then scored by the checker.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from bunshin_gym.core.env import ActionError, WorkspaceEnv
+from bunshin_gym.core.task import Task, TaskError
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+#: printable text: every character a command or its output may carry
+CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
+_CONTROL = {c: None for c in range(32) if c not in (9, 10)} | {0x7F: None}
+MAX_ACTION = 8192
+MAX_OUTPUT = 16384
+SPECIAL = ("DONE", "FAIL")
+
+
+def clean_text(raw: bytes, limit: int) -> str:
+    """Decode command output for an observation: control characters dropped, the tail kept."""
+    text = raw.decode(errors="replace").translate(_CONTROL)
+    text = "".join(c if c in _CHARS else "\ufffd" for c in text) if not text.isascii() else text
+    return text if len(text) <= limit else "…" + text[-(limit - 1):]
+
+
+_CHARS = frozenset(CHARSET)
+
+
+class ShellTask(Task):
+    """A shell task: set-up commands and a checker command (exit 0 = success)."""
+
+    def __init__(self, config: dict):
+        for key in ("id", "instruction", "check"):
+            if key not in config:
+                raise TaskError(f"shell task {config.get('id', '?')}: missing {key!r}")
+        super().__init__(config["id"], config["instruction"], config.get("max_steps", 10), config)
+        self.setup_cmds: list[str] = list(config.get("setup", []))
+        self.check: str = config["check"]
+
+    def setup(self, env: ShellEnv) -> None:
+        for cmd in self.setup_cmds:
+            res = env.workspace.exec(cmd, timeout=60)
+            if not res.ok:
+                raise TaskError(f"task {self.id}: set-up command {cmd!r} failed ({res.exit_code}): "
+                                f"{res.stderr.decode(errors='replace')[-500:]}")
+
+    def validate(self, env: ShellEnv) -> float:
+        return 1.0 if env.workspace.exec(self.check, timeout=60, cwd="/home/user").exit_code == 0 else 0.0
+
+
+def load_shell_task(spec: Any) -> ShellTask:
+    """A task id (``shell/NAME``, looked up in ``envs/shell/tasks``), a dict, or a JSON path."""
+    if isinstance(spec, dict):
+        return ShellTask(spec)
+    path = Path(str(spec))
+    if not path.suffix == ".json":
+        path = TASKS_DIR / f"{str(spec).removeprefix('shell/')}.json"
+    if not path.exists():
+        known = ", ".join(sorted(f"shell/{p.stem}" for p in TASKS_DIR.glob("*.json")))
+        raise TaskError(f"no shell task {spec!r}; shipped tasks: {known}")
+    return ShellTask(json.loads(path.read_text()))
+
+
+def shipped_tasks() -> list[ShellTask]:
+    return [ShellTask(json.loads(p.read_text())) for p in sorted(TASKS_DIR.glob("*.json"))]
+
+
+class ShellEnv(WorkspaceEnv):
+    """A terminal workspace (image ``base``).
+
+    Observation: ``{"instruction": str, "output": str (stdout+stderr, tail-truncated),
+    "exit_code": int (-1 before the first command, -9 for a timeout)}``.
+    Action: a shell command line, or ``DONE`` / ``FAIL``.
+
+    Args:
+        command_timeout: seconds before a command is killed (the episode goes on).
+        **kwargs: see :class:`~bunshin_gym.core.env.WorkspaceEnv`.
+    """
+
+    default_image = "base"
+
+    def __init__(self, task: Any = None, *, command_timeout: float = 30.0, **kwargs: Any):
+        super().__init__(task, **kwargs)
+        self.command_timeout = command_timeout
+        text = spaces.Text(MAX_OUTPUT, min_length=0, charset=CHARSET)
+        self.observation_space = spaces.Dict({
+            "instruction": text,
+            "output": text,
+            "exit_code": spaces.Discrete(512, start=-256),
+        })
+        self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
+        self._output, self._exit_code = "", -1
+
+    def load_task(self, spec: Any) -> ShellTask:
+        return load_shell_task(spec)
+
+    def execute(self, action: Any) -> dict:
+        if not isinstance(action, str):
+            self._output, self._exit_code = f"error: an action is a string, not {type(action).__name__}", -1
+            raise ActionError(self._output)
+        cmd = action.strip()
+        if cmd in SPECIAL:
+            self.done = True
+            self._output, self._exit_code = "", 0
+            return {"action": cmd}
+        if not cmd:
+            self._output, self._exit_code = "error: empty command", -1
+            raise ActionError(self._output)
+        res = self.workspace.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
+        self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT)
+        self._exit_code = -9 if res.timed_out else max(-256, min(255, res.exit_code))
+        return {"exit_code": self._exit_code, "timed_out": res.timed_out, "duration": res.duration}
+
+    def observe(self) -> dict:
+        return {
+            "instruction": self.task.instruction if self.task else "",
+            "output": self._output,
+            "exit_code": np.int64(self._exit_code),
+        }
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        self._output, self._exit_code = "", -1
+        return super().reset(seed=seed, options=options)
+
+    def episode_state(self) -> dict:
+        return {"output": self._output, "exit_code": self._exit_code}
+
+    def restore_episode_state(self, state: dict) -> None:
+        self._output, self._exit_code = state.get("output", ""), state.get("exit_code", -1)
