@@ -62,6 +62,9 @@ class Cgroup:
                 found.update(int(x) for x in (d / "cgroup.procs").read_text().split())
             except FileNotFoundError:
                 pass
+            except OSError as e:  # ENODEV: removed (by a concurrent reclaim) while we read it
+                if e.errno != errno.ENODEV:
+                    raise
         return sorted(found)
 
     # freezer -------------------------------------------------------------------------
