@@ -38,7 +38,7 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     # them never sweeps a workspace that is being created
     subvols = sorted(p.workspaces.iterdir()) if pool.is_mounted(p.pool) else []
     cgs = cgroups.list_names()
-    known = {r.id for r in records.all_records(p)}
+    known = records.all_ids(p)
     for sub in subvols:
         if sub.name not in known:
             pool.delete_subvolume(sub)

@@ -72,11 +72,22 @@ def save(rec: Record, p: Paths | None = None) -> None:
     os.replace(tmp, path)
 
 
+def _parse(text: str) -> Record:
+    data = json.loads(text)
+    known = Record.__dataclass_fields__
+    return Record(**{k: v for k, v in data.items() if k in known})  # newer fields are ignored
+
+
 def load(ws_id: str, p: Paths | None = None) -> Record | None:
     try:
-        return Record(**json.loads((_dir(p) / f"{ws_id}.json").read_text()))
+        return _parse((_dir(p) / f"{ws_id}.json").read_text())
     except FileNotFoundError:
         return None
+
+
+def all_ids(p: Paths | None = None) -> set[str]:
+    """Ids of every record, readable or not: what ``gc`` must never sweep as an orphan."""
+    return {f.stem for f in _dir(p).glob("*.json")}
 
 
 def remove(ws_id: str, p: Paths | None = None) -> None:
@@ -87,7 +98,7 @@ def all_records(p: Paths | None = None) -> list[Record]:
     out = []
     for f in sorted(_dir(p).glob("*.json")):
         try:
-            out.append(Record(**json.loads(f.read_text())))
+            out.append(_parse(f.read_text()))
         except (FileNotFoundError, json.JSONDecodeError, TypeError):
             continue
     return out
