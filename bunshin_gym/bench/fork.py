@@ -1,0 +1,211 @@
+"""``bunshin bench fork``: memory and time of forking a workspace, every memory mode side by side.
+
+The source workspace holds about 300 MB of heap in three processes (random bytes, so only
+sharing between clones, never merging inside one, can save memory). For each mode and
+each n in 1, 2, 4, 8, 16 it forks n clones from one snapshot and measures:
+
+- memory of the clones: distinct resident pages counted once (``unique``) and the sum of
+  PSS, right after restore and after activity (each heap process rewrites 5% of its pages
+  and a few commands run), plus the peak host memory during the fork;
+- fan-out time and per-clone restore time; rollback time;
+- source frozen time for a first snapshot and for a delta snapshot (a clone's, after one
+  small action), split into freeze / files / dump / thaw;
+- CPU spent by ksmd.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from bunshin_gym.bench.report import summary, table, write
+from bunshin_gym.workspace import Workspace
+from bunshin_gym.workspace.memory import SHARE_ANON_MECHANISM, MemoryMode, ksmd_cpu_seconds
+from bunshin_gym.workspace.memstat import group_memory, used_memory
+
+HEAP_PROGRAM = r"""
+import os, signal, time
+buf = bytearray(os.urandom(int(os.environ["HEAP_MB"]) * 2**20))
+def touch(sig, frame):
+    for i in range(0, len(buf) // 20, 4096):
+        buf[i] ^= 0xFF
+signal.signal(signal.SIGUSR1, touch)
+open(f"/tmp/heap-ready-{os.getpid()}", "w").close()
+while True:
+    time.sleep(3600)
+"""
+KSM_SETTLE_S = 20.0
+
+
+class PeakSampler:
+    """Samples host memory in use every few ms while a fork runs."""
+
+    def __init__(self) -> None:
+        self.base = used_memory()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, used_memory())
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def make_source(image: str, heap_mb: int, procs: int) -> Workspace:
+    ws = Workspace.create(image)
+    ws.write_file("/opt/heap.py", HEAP_PROGRAM)
+    for _ in range(procs):
+        ws.spawn(["python3", "/opt/heap.py"], env={"HEAP_MB": str(heap_mb // procs)})
+    deadline = time.monotonic() + 60
+    while ws.exec("ls /tmp | grep -c heap-ready").text.strip() != str(procs):
+        if time.monotonic() > deadline:
+            raise RuntimeError("heap processes did not start")
+        time.sleep(0.2)
+    return ws
+
+
+def activity(ws: Workspace) -> None:
+    ws.exec("pkill -USR1 -f /opt/heap.py; ls -R /usr/share/doc > /dev/null; echo done > /root/activity.txt")
+
+
+def _ksm_settle(mode: MemoryMode) -> float:
+    """Let ksmd finish its passes (KSM modes only); returns seconds waited."""
+    if not (mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and SHARE_ANON_MECHANISM == "ksm")):
+        return 0.0
+    t0, last = time.monotonic(), -1
+    full = Path("/sys/kernel/mm/ksm/full_scans")
+    start_scans = int(full.read_text())
+    while time.monotonic() - t0 < KSM_SETTLE_S:
+        time.sleep(1.0)
+        sharing = int(Path("/sys/kernel/mm/ksm/pages_sharing").read_text())
+        if int(full.read_text()) >= start_scans + 2 and sharing == last:
+            break
+        last = sharing
+    return round(time.monotonic() - t0, 1)
+
+
+def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300, procs: int = 3,
+        counts: tuple[int, ...] = (1, 2, 4, 8, 16), modes: tuple[str, ...] = ("copy", "ksm", "share", "map-anon"),
+        plot: str | None = None) -> dict:
+    print(f"bench fork: image {image!r}, {heap_mb} MB heap in {procs} processes; modes {', '.join(modes)}; "
+          f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {SHARE_ANON_MECHANISM}")
+    results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": SHARE_ANON_MECHANISM, "modes": {}}
+    for mode in map(MemoryMode.parse, modes):
+        src = make_source(image, heap_mb, procs)
+        try:
+            src_mem = group_memory(src.pids())
+            first = src.snapshot()
+            mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
+                          "first_snapshot_mb": round(first.size() / 2**20, 1), "by_n": {}}
+            for n in counts:
+                print(f"  {mode.value:>8}  n={n:<2} ", end="", flush=True)
+                ksm0 = ksmd_cpu_seconds()
+                with PeakSampler() as peak:
+                    t0 = time.perf_counter()
+                    clones = first.fork(n, mode=mode)
+                    fanout = time.perf_counter() - t0
+                try:
+                    settle = _ksm_settle(mode)
+                    pids = [p for c in clones for p in c.pids()]
+                    after_restore = group_memory(pids)
+                    for c in clones:
+                        activity(c)
+                    time.sleep(0.5)
+                    settle += _ksm_settle(mode)
+                    after_activity = group_memory([p for c in clones for p in c.pids()])
+                    row = {
+                        "fanout_s": round(fanout, 3), "per_clone_restore_s": round(fanout / n, 3),
+                        "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
+                        "after_restore": after_restore.as_mb(), "after_activity": after_activity.as_mb(),
+                        "ksm_settle_s": settle, "ksmd_cpu_s": round(ksmd_cpu_seconds() - ksm0, 2),
+                    }
+                    if n == counts[0]:
+                        row.update(_delta_and_rollback(clones[0]))
+                    mres["by_n"][str(n)] = row
+                    print(f"fan-out {fanout:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
+                          f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s")
+                finally:
+                    for c in clones:
+                        c.close()
+            first.delete()
+            results["modes"][mode.value] = mres
+        finally:
+            src.close()
+    _summarise(results, counts)
+    if plot:
+        _plot(results, counts, plot)
+        results["plot"] = plot
+    return write("fork", results, json_path)
+
+
+def _delta_and_rollback(clone: Workspace) -> dict:
+    base = clone.base_snapshot
+    clone.exec("echo small change > /root/delta.txt")
+    delta = clone.snapshot()
+    clone.exec("echo after > /root/delta.txt")
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        clone.rollback(delta)
+        times.append(time.perf_counter() - t0)
+    assert clone.exec("cat /root/delta.txt").text == "small change\n", "rollback lost the delta state"
+    out = {"delta_snapshot": delta.meta["timings"], "delta_snapshot_mb": round(delta.size() / 2**20, 1),
+           "rollback": summary(times)}
+    clone.rollback(base)  # let go of the delta snapshot before deleting it
+    delta.delete()
+    return out
+
+
+def _summarise(res: dict, counts: tuple[int, ...]) -> None:
+    modes = res["modes"]
+    n_max = str(counts[-1])
+    rows = []
+    for mode, m in modes.items():
+        row = m["by_n"][n_max]
+        first = m["by_n"][str(counts[0])]
+        rows.append([
+            mode, row["after_restore"]["unique"], row["after_activity"]["unique"], row["after_activity"]["pss"],
+            row["peak_during_fork_mb"], row["fanout_s"], row["per_clone_restore_s"],
+            m["first_snapshot"]["frozen_ms"], first["delta_snapshot"]["frozen_ms"], first["rollback"]["median_ms"],
+            row["ksmd_cpu_s"],
+        ])
+    print(f"\nat n = {n_max} clones of a {res['heap_mb']} MB-heap workspace (memory in MB, times as named):")
+    print(table(rows, ["mode", "uniq@restore", "uniq@activity", "pss@activity", "peak", "fan-out s",
+                       "s/clone", "frozen 1st ms", "frozen delta ms", "rollback ms", "ksmd s"]))
+    if "copy" in modes:
+        copy_mem = modes["copy"]["by_n"][n_max]["after_activity"]["unique"]
+        res["ratio_vs_copy"] = {mode: round(m["by_n"][n_max]["after_activity"]["unique"] / copy_mem, 3)
+                                for mode, m in modes.items()}
+        print("\nmemory after activity relative to copy: "
+              + ", ".join(f"{k} {v:.3f}x" for k, v in res["ratio_vs_copy"].items())
+              + "   (target: share <= 0.15x)")
+
+
+def _plot(res: dict, counts: tuple[int, ...], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, m in res["modes"].items():
+        for ax, key in zip(axes, ("after_restore", "after_activity"), strict=True):
+            ax.plot(counts, [m["by_n"][str(n)][key]["unique"] for n in counts], marker="o", label=mode)
+    for ax, title in zip(axes, ("right after restore", "after activity"), strict=True):
+        ax.set(title=f"clones' memory, {title}", xlabel="clones", ylabel="MB (distinct pages)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
