@@ -91,6 +91,10 @@ class Cgroup:
             if time.monotonic() > deadline:
                 raise WorkspaceError(f"cgroup {self.name}: not {'frozen' if frozen else 'thawed'} after {timeout}s")
             time.sleep(0.0005)
+            if frozen and not unified():
+                # v1 tries each task once per write: one that went to sleep after that try (a
+                # vfork parent waiting for its frozen child) stays FREEZING until the next write
+                (d / "freezer.state").write_text(want)
 
     def memory_usage(self) -> int:
         """Bytes charged to the workspace's memory cgroup (page cache included)."""
