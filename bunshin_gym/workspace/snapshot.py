@@ -98,8 +98,15 @@ class Snapshot:
                 records.save(rec, self._p)
                 Cgroup.create(rec.cgroup)
             procs = [_start_restore(self, rec, mode, self._p) for rec in recs]
+            failed = []  # wait for every restore, so none is left unreaped and unreported
             for rec, proc in zip(recs, procs, strict=True):
-                _finish_restore(rec, proc, self._p)
+                try:
+                    _finish_restore(rec, proc, self._p)
+                except ForkError as e:
+                    failed.append(e)
+            if failed:
+                more = "".join(f"; also: {e}" for e in failed[1:])
+                raise ForkError(f"{failed[0]}{more}") from failed[0]
             for ws in clones:
                 ws._connect()
         except BaseException:
