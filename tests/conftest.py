@@ -1,0 +1,158 @@
+"""Shared fixtures for the workspace tests: real workspaces on the real runtime (no mocks).
+
+Other test sessions may run workspaces on the same host at the same time, so every leak
+check here is scoped to the ids a test created (plus host-wide counts that must not grow).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bunshin_gym.config import paths
+from bunshin_gym.workspace import Workspace, records
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.workspace import reclaim
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ws():
+    """A workspace shared by one module's tests; tests using it must not change shared state."""
+    w = Workspace.create("base")
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def fresh_ws():
+    """A workspace of one's own, for tests that change it (files, processes, freezer)."""
+    w = Workspace.create("base")
+    yield w
+    w.close()
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of a process (``Z`` for a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def alive(pid: int, start_time: int | None) -> bool:
+    """The process still exists and is not a zombie (a workspace's PID 1 is reparented to the
+    host's init once its launcher exits; a lazy host init may keep it a zombie for a while,
+    holding nothing but its pid)."""
+    return records.process_alive(pid, start_time) and proc_state(pid) not in ("Z", "X", None)
+
+
+def cgroup_pids(ws_id: str) -> set[int]:
+    """Host pids (zombies excluded) whose /proc/PID/cgroup names the workspace's cgroup."""
+    needle = f"/bunshin/{ws_id}"
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = Path(entry.path, "cgroup").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if proc_state(int(entry.name)) in ("Z", "X", None):
+            continue
+        if any(line.split(":", 2)[-1] == needle for line in text.splitlines()):
+            found.add(int(entry.name))
+    return found
+
+
+def pids_in_netns(inodes: set[int]) -> set[int]:
+    """Host pids living in one of these network namespaces (by nsfs inode; a zombie has none)."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(f"{entry.path}/ns/net").st_ino in inodes:
+                found.add(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return found
+
+
+def host_overlay_mounts() -> int:
+    with open("/proc/mounts") as f:
+        return sum(1 for line in f if line.split()[2] == "overlay")
+
+
+def host_netns() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return sorted(out.split("\n"))
+
+
+def leftovers(ids: set[str] | list[str]) -> dict[str, list]:
+    """Everything on the host that still belongs to these workspace ids (empty lists: clean)."""
+    ids = set(ids)
+    p = paths()
+    found: dict[str, list] = {"records": [], "subvolumes": [], "cgroups": [], "processes": [], "mounts": []}
+    for ws_id in sorted(ids):
+        if (p.records / f"{ws_id}.json").exists():
+            found["records"].append(ws_id)
+        if (p.workspaces / ws_id).exists():
+            found["subvolumes"].append(ws_id)
+        found["cgroups"] += [str(d) for d in Cgroup(ws_id).dirs if d.exists()]
+        found["processes"] += sorted(cgroup_pids(ws_id))
+    with open("/proc/mounts") as f:
+        found["mounts"] = [line.strip() for line in f if any(i in line for i in ids)]
+    return {k: v for k, v in found.items() if v}
+
+
+CONTROLLER = textwrap.dedent("""
+    import sys, time
+    from bunshin_gym.workspace import Workspace
+    ws = Workspace.create("base")
+    ws.spawn("sleep 1000")
+    ws.spawn(["sh", "-c", "sleep 1001 & sleep 1002"], user="user")
+    ws.write_file("/root/state", b"x" * 65536)
+    print(ws.id, flush=True)
+    time.sleep(1000)
+""")
+
+
+class Orphan:
+    """A workspace whose controller (a child python process) we SIGKILL."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True,
+                                     cwd=REPO)
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("ws-"):
+            self.proc.kill()
+            raise AssertionError(f"controller printed {line!r} (rc {self.proc.wait()})")
+        self.id = line
+        self.rec = records.load(self.id)
+
+    def kill_controller(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.kill_controller()
+        rec = records.load(self.id)
+        if rec is not None:
+            reclaim(rec)
+
+
+@pytest.fixture
+def orphan():
+    o = Orphan()
+    yield o
+    o.cleanup()
