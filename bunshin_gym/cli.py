@@ -60,8 +60,7 @@ def _cmd_ws(args) -> int:
             print("bunshin ws exec: give a command after the workspace id", file=sys.stderr)
             return 2
         ws = Workspace.attach(args.id)
-        argv = args.command[1:] if args.command[0] == "--" else args.command
-        cmd = argv[0] if len(argv) == 1 else argv
+        cmd = args.command[0] if len(args.command) == 1 else args.command
         res = ws.exec(cmd, timeout=args.timeout, user=args.user)
         sys.stdout.buffer.write(res.stdout)
         sys.stderr.buffer.write(res.stderr)
@@ -170,7 +169,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None, help="seconds (default: none)")
     e.add_argument("--user", default=None, help="run as this user (default root)")
-    e.add_argument("command", nargs=argparse.REMAINDER, help="a shell line, or argv after --")
+    e.add_argument("command", nargs="*", help="a shell line, or an argv after -- (options go before --)")
     f = ws_sub.add_parser("fork", help="snapshot a workspace and start N detached clones of it")
     f.add_argument("id")
     f.add_argument("-n", type=int, default=1, help="number of clones (default 1)")

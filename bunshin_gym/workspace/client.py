@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from bunshin_gym.workspace.agent import SOCKET_PATH, ProtocolError, recv_msg, send_msg
 from bunshin_gym.workspace.errors import AgentError, WorkspaceError
 
+IDEMPOTENT = {"ping", "read_file"}
+
 
 @dataclass
 class ExecResult:
@@ -77,9 +79,9 @@ class AgentClient:
                     if self._sock is not None:
                         self._sock.close()
                         self._sock = None
-                    # a stale connection (agent restarted, workspace restored) is retried once
-                    # on a fresh one; a failure on a fresh connection is final
-                    if fresh or attempt == 1:
+                    # a stale connection (the agent restarted) is retried once on a fresh one, but
+                    # only for requests that are safe to repeat: an exec may already have run
+                    if fresh or attempt == 1 or header.get("op") not in IDEMPOTENT:
                         raise WorkspaceError(f"{self._name}: cannot reach the agent: {e}") from e
         if "error" in reply:
             raise AgentError(f"{self._name}: {header.get('op')}: {reply['error']}", reply.get("errno"))
