@@ -205,7 +205,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `bunshin ws exec ID [options] -- CMD ...`: everything after -- is the command, verbatim
+    tail = argv[argv.index("--") + 1:] if "--" in argv else None
+    args = parser().parse_args(argv[:argv.index("--")] if tail is not None else argv)
+    if tail is not None and hasattr(args, "command"):
+        args.command = [*args.command, *tail]
     from bunshin_gym.workspace.errors import WorkspaceError
 
     try:
