@@ -14,8 +14,20 @@ ENVS = {
     "Bunshin-OSWorld-v0": "bunshin_gym.envs.osworld.env:OSWorldEnv",
     "Bunshin-WebArena-v0": "bunshin_gym.envs.webarena.env:WebArenaEnv",
 }
-#: ``gym.make_vec(id, num_envs=G, vectorization_mode="vector_entry_point")``: one GRPO group
-VECTOR_ENTRY_POINT = "bunshin_gym.rollout.group:GroupVectorEnv"
+
+
+def group_creator(env_id: str):
+    """The vector entry point of ``env_id``: ``gym.make_vec(env_id, num_envs=G,
+    vectorization_mode="vector_entry_point", **kwargs)`` builds one GRPO group
+    (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`) of that env."""
+
+    def create(num_envs: int, **kwargs):
+        from bunshin_gym.rollout.group import GroupVectorEnv
+
+        return GroupVectorEnv(env_id, num_envs, **kwargs)
+
+    create.env_id = env_id
+    return create
 
 
 def register_envs() -> None:
@@ -25,7 +37,7 @@ def register_envs() -> None:
         gym.register(
             id=env_id,
             entry_point=entry_point,
-            vector_entry_point=VECTOR_ENTRY_POINT,
+            vector_entry_point=group_creator(env_id),
             order_enforce=False,
             disable_env_checker=True,
             kwargs={},

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gymnasium as gym
 import pytest
 
-import bunshin_gym
 from bunshin_gym.envs.shell.env import ShellEnv
 from bunshin_gym.registration import ENVS
 from bunshin_gym.testing import fake_factory
@@ -15,7 +14,7 @@ from bunshin_gym.testing import fake_factory
 def test_every_id_is_registered_with_a_vector_entry_point(env_id):
     spec = gym.spec(env_id)
     assert spec.entry_point == ENVS[env_id]
-    assert spec.vector_entry_point == bunshin_gym.registration.VECTOR_ENTRY_POINT
+    assert spec.vector_entry_point.env_id == env_id
     assert spec.disable_env_checker and not spec.order_enforce
 
 

@@ -106,6 +106,7 @@ class WorkspaceEnv(gym.Env):
         self._reset_snapshot_enabled = reset_snapshot
         self._factory = workspace_factory or (lambda image, mode: Workspace.create(image, memory_mode=mode))
         self._ws: Any = None
+        self._pending: EnvSnapshot | None = None  # lazy: fork from this on first use of the workspace
         self._boot_snap: Any = None
         self._reset_snap: EnvSnapshot | None = None
         self._owned = _Owned()
@@ -147,10 +148,37 @@ class WorkspaceEnv(gym.Env):
     # gymnasium API ---------------------------------------------------------------------
     @property
     def workspace(self) -> Any:
-        """The live workspace (after the first reset)."""
+        """The live workspace (after the first reset). A lazy clone forks it here, on first use."""
+        if self._ws is None and self._pending is not None:
+            self._ws = self._pending.workspace.fork(1, mode=self.memory_mode)[0]
+            self._pending = None
         if self._ws is None:
             raise ResetNeeded("the env has no workspace yet: call reset() first")
         return self._ws
+
+    @property
+    def materialized(self) -> bool:
+        """Whether this env holds a live workspace (a lazy clone does not until it needs one)."""
+        return self._ws is not None
+
+    def adopt(self, workspace: Any, state: EnvSnapshot | None = None) -> None:
+        """Make ``workspace`` (a fork of this env's lineage) the env's live workspace, closing
+        the current one; ``state`` gives the episode state that goes with it."""
+        old, self._ws, self._pending = self._ws, workspace, None
+        if state is not None:
+            self.task, self.steps, self.done = state.task, state.steps, state.done
+            self.restore_episode_state(copy.deepcopy(state.state))
+        if old is not None and old is not workspace:
+            old.close()
+
+    def image_key(self) -> str:
+        """The image's name and recipe key: caches are valid only for the same image."""
+        from bunshin_gym.workspace.images import ImageStore
+
+        try:
+            return f"{self.image}@{ImageStore().key(self.image)}"
+        except WorkspaceError:
+            return self.image
 
     @property
     def max_steps(self) -> int:
@@ -199,6 +227,7 @@ class WorkspaceEnv(gym.Env):
             self.release_connections()
             self._ws.close()
             self._ws = None
+        self._pending = None
         self._owned.release()
         super().close()
 
@@ -207,6 +236,10 @@ class WorkspaceEnv(gym.Env):
             raise ResetNeeded(f"{type(self).__name__} is closed")
 
     def _fresh_workspace(self) -> None:
+        if self._ws is None and self._pending is not None and self._boot_snap is not None:
+            self._pending = None  # a lazy clone resets by forking the boot snapshot
+            self._ws = self._boot_snap.fork(1, mode=self.memory_mode)[0]
+            return
         if self._ws is not None and self._boot_snap is not None:
             self.release_connections()
             self._ws.rollback(self._boot_snap)
@@ -220,12 +253,21 @@ class WorkspaceEnv(gym.Env):
         self._owned.snapshots.append(self._boot_snap)
 
     # fork API --------------------------------------------------------------------------
-    def snapshot(self, **tags: Any) -> EnvSnapshot:
-        """Snapshot the live episode (workspace + step count, task, env state)."""
+    def snapshot(self, *, keep: bool = False, **tags: Any) -> EnvSnapshot:
+        """Snapshot the live episode (workspace + step count, task, env state).
+
+        Args:
+            keep: the caller owns the snapshot (``snap.workspace.delete()``); by default it is
+                deleted when this env and all its clones are closed.
+            **tags: metadata stored with the snapshot.
+        """
         self._check_open()
+        if self._ws is None and self._pending is not None:
+            return self._pending  # a lazy clone's state is its pending snapshot
         self.release_connections()
         snap = self.workspace.snapshot(tags={"task": self.task.id if self.task else None, **tags})
-        self._owned.snapshots.append(snap)
+        if not keep:
+            self._owned.snapshots.append(snap)
         return EnvSnapshot(snap, self.task, self.steps, self.done, copy.deepcopy(self.episode_state()))
 
     def rollback(self, snapshot: EnvSnapshot | None = None) -> Any:
@@ -236,22 +278,37 @@ class WorkspaceEnv(gym.Env):
         if snap is None:
             raise ResetNeeded("nothing to roll back to: reset() first (with reset_snapshot=True) "
                               "or pass a snapshot")
-        self.release_connections()
-        self.workspace.rollback(snap.workspace)
+        if self._ws is None:
+            self._pending = snap  # lazy: fork it when the workspace is first needed
+        else:
+            self.release_connections()
+            self._ws.rollback(snap.workspace)
         self.task, self.steps, self.done = snap.task, snap.steps, snap.done
         self.restore_episode_state(copy.deepcopy(snap.state))
         return self.observe()
 
-    def clone(self, n: int = 1, *, mode: str | None = None) -> list[WorkspaceEnv]:
+    def clone(self, n: int = 1, *, mode: str | None = None, lazy: bool = False) -> list[WorkspaceEnv]:
         """``n`` envs forked from this env's live state: same episode, same step count;
-        each evolves independently. Closing one never affects the others."""
+        each evolves independently. Closing one never affects the others.
+
+        Args:
+            n: number of clones.
+            mode: memory mode of the clones' workspaces (default: this env's).
+            lazy: take one snapshot now and fork each clone's workspace only when it is
+                first needed (a clone whose steps are all served from a cache never forks).
+        """
         self._check_open()
         state = self.episode_state()
-        self.release_connections()
+        if lazy:
+            snap = self.snapshot()
+            workspaces = [None] * n
+        else:
+            self.release_connections()
+            workspaces = self.workspace.fork(n, mode=mode or self.memory_mode)
         envs = []
-        for ws in self.workspace.fork(n, mode=mode):
+        for ws in workspaces:
             twin = copy.copy(self)
-            twin._ws = ws
+            twin._ws, twin._pending = ws, (snap if lazy else None)
             twin._closed = False
             twin._np_random = copy.deepcopy(self._np_random)
             twin.restore_episode_state(copy.deepcopy(state))

@@ -1,0 +1,190 @@
+"""``GroupVectorEnv``: the G rollouts of one GRPO group as forks of one workspace.
+
+The group's task is set up once, in one workspace; the G members are forks of it, so they
+share every page they do not write. Members step independently (each in its own thread
+under :meth:`run_group`, or together through the vector ``step``); a finished member stays
+finished (no autoreset) and :attr:`active` says who still runs.
+
+Example:
+    >>> envs = gym.make_vec("Bunshin-Shell-v0", num_envs=4, vectorization_mode="vector_entry_point")
+    >>> obs, infos = envs.reset(options={"task": "shell/count-files"})
+    >>> trajs = envs.run_group(lambda i, obs, hist: "ls /data | wc -l > answer.txt" if not hist else "DONE")
+    >>> [t.reward for t in trajs]
+    [1.0, 1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
+
+Policy = Callable[[int, Any, list], Any]
+
+
+@dataclass
+class Step:
+    action: Any
+    observation: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict
+    think_s: float  # time the policy took to choose the action
+    tool_s: float  # time the env took to answer it
+
+
+@dataclass
+class Trajectory:
+    """One member's episode under :meth:`GroupVectorEnv.run_group`."""
+
+    member: int
+    task_id: str
+    first_observation: Any
+    steps: list[Step] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def reward(self) -> float:
+        return self.steps[-1].reward if self.steps else 0.0
+
+    @property
+    def actions(self) -> list:
+        return [s.action for s in self.steps]
+
+
+class GroupVectorEnv(VectorEnv):
+    """A GRPO group: one task, ``num_envs`` forked members.
+
+    Args:
+        env_id: the single env's id (``Bunshin-Shell-v0``, ...).
+        num_envs: group size G.
+        cache: a :class:`~bunshin_gym.rollout.prefix_cache.PrefixCache` serving members'
+            tool-call prefixes (the outermost wrapper of each member).
+        speculation: a :class:`~bunshin_gym.rollout.speculation.Speculation` running
+            predicted calls in forks (inside the cache).
+        member_wrappers: more callables applied to each member env, innermost first.
+        lazy: fork a member's workspace only when it is first needed (default: with a
+            cache, which can serve steps without one).
+        max_workers: threads stepping members at once (default G).
+        **env_kwargs: passed to ``gym.make(env_id, ...)``.
+    """
+
+    metadata = {"autoreset_mode": AutoresetMode.DISABLED}
+
+    def __init__(self, env_id: str, num_envs: int, *, cache: Any = None, speculation: Any = None,
+                 member_wrappers: list[Callable] | None = None, lazy: bool | None = None,
+                 max_workers: int | None = None, **env_kwargs: Any):
+        if num_envs < 1:
+            raise ValueError(f"a group needs num_envs >= 1, got {num_envs}")
+        self.env_id = env_id
+        self.num_envs = num_envs
+        self.root = gym.make(env_id, **env_kwargs)
+        self.cache, self.speculation = cache, speculation
+        self.wrappers = list(member_wrappers or [])
+        self.wrappers += [w.wrap for w in (speculation, cache) if w is not None]
+        self.lazy = cache is not None if lazy is None else lazy
+        self.single_observation_space = self.root.observation_space
+        self.single_action_space = self.root.action_space
+        self.observation_space = batch_space(self.single_observation_space, num_envs)
+        self.action_space = batch_space(self.single_action_space, num_envs)
+        self.members: list[gym.Env] = []
+        self.active = np.zeros(num_envs, dtype=bool)
+        self._last: list[tuple] = []
+        self._pool = ThreadPoolExecutor(max_workers=max_workers or num_envs, thread_name_prefix="member")
+        self.task_id: str | None = None
+
+    # vector API ------------------------------------------------------------------------
+    def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
+        """Set the task up once in the root workspace and fork the G members from it."""
+        self._close_members()
+        obs, info = self.root.reset(seed=seed if isinstance(seed, int) else None, options=options)
+        self.task_id = info.get("task_id")
+        members = self.root.unwrapped.clone(self.num_envs, lazy=self.lazy)
+        for i, env in enumerate(members):
+            for wrap in self.wrappers:
+                env = wrap(env)
+            members[i] = env
+            if hasattr(env, "start_episode"):
+                env.start_episode(obs, info)
+        self.members = members
+        self.active[:] = True
+        self._last = [(obs, 0.0, False, False, dict(info)) for _ in members]
+        return self._batch_obs([obs] * self.num_envs), {"task_id": self.task_id, "instruction": info.get("instruction")}
+
+    def step(self, actions):
+        """Step every active member with its action (members that finished are skipped and
+        keep reporting their final step with reward 0)."""
+        actions = list(actions)
+        futures = {i: self._pool.submit(self.members[i].step, actions[i])
+                   for i in range(self.num_envs) if self.active[i]}
+        rewards = np.zeros(self.num_envs)
+        for i, fut in futures.items():
+            obs, reward, term, trunc, info = fut.result()
+            self._last[i] = (obs, reward, term, trunc, info)
+            rewards[i] = reward
+            if term or trunc:
+                self.active[i] = False
+        obs = [last[0] for last in self._last]
+        terms = np.array([last[2] for last in self._last])
+        truncs = np.array([last[3] for last in self._last])
+        infos = {"active": self.active.copy(), "member_info": [last[4] for last in self._last]}
+        return self._batch_obs(obs), rewards, terms, truncs, infos
+
+    def run_group(self, policy: Policy, *, options: dict | None = None, max_steps: int | None = None,
+                  on_step: Callable[[int, Step], None] | None = None) -> list[Trajectory]:
+        """Run the whole group against a policy: each member in its own thread, policy call
+        (think time) and tool call alternating, until every member has finished.
+
+        Args:
+            policy: ``policy(member, observation, history) -> action``; ``history`` is the
+                member's list of :class:`Step` so far.
+            options: reset options (the task); omit to run on the current reset.
+            max_steps: optional cap below the task's own.
+            on_step: called after each step (progress reporting, logging).
+        """
+        if options is not None or not self.members:
+            self.reset(options=options)
+        first_obs = self._last[0][0]
+
+        def episode(i: int) -> Trajectory:
+            env, traj = self.members[i], Trajectory(i, self.task_id or "", first_obs)
+            obs, t_start = first_obs, time.perf_counter()
+            while self.active[i] and (max_steps is None or len(traj.steps) < max_steps):
+                t0 = time.perf_counter()
+                action = policy(i, obs, traj.steps)
+                t1 = time.perf_counter()
+                obs, reward, term, trunc, info = env.step(action)
+                step = Step(action, obs, float(reward), term, trunc, info, t1 - t0, time.perf_counter() - t1)
+                traj.steps.append(step)
+                self._last[i] = (obs, reward, term, trunc, info)
+                if on_step:
+                    on_step(i, step)
+                if term or trunc:
+                    self.active[i] = False
+            traj.wall_s = time.perf_counter() - t_start
+            return traj
+
+        return list(self._pool.map(episode, range(self.num_envs)))
+
+    def close_extras(self, **kwargs: Any) -> None:
+        self._close_members()
+        self._pool.shutdown(wait=True)
+        self.root.close()
+
+    def _close_members(self) -> None:
+        for env in self.members:
+            env.close()
+        self.members = []
+        self.active[:] = False
+
+    def _batch_obs(self, observations: list) -> Any:
+        out = create_empty_array(self.single_observation_space, self.num_envs)
+        return concatenate(self.single_observation_space, observations, out)
