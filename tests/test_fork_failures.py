@@ -1,0 +1,154 @@
+"""BunshinFork, failures: a CRIU dump failure leaves the source running (thawed) and raises
+ForkError naming the CRIU log; killing a clone never affects its siblings, its source or
+its snapshot."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fork_programs import host
+from fork_programs.host import DIR, heap, sh
+
+from bunshin_gym.config import paths
+from bunshin_gym.workspace import Workspace
+from bunshin_gym.workspace.errors import ForkError
+
+PORT = 7200
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], timeout)[0], f"pid {pid} still alive after {timeout}s"
+    finally:
+        os.close(fd)
+
+
+def _dump_log(err: ForkError) -> Path:
+    m = re.search(r"log: ([^\s;]+)", str(err))
+    assert m, f"the ForkError names no log: {err}"
+    return Path(m.group(1))
+
+
+def test_criu_dump_failure_leaves_source_running_and_names_the_log():
+    ws = Workspace.create("base")
+    logs: list[Path] = []
+    snap = None
+    clones = []
+    try:
+        host.install(ws, "heap.py", "heapctl.py", "perf_hold.py")
+        host.heap_start(ws, PORT, 8, "fail")
+        sh(ws, "echo kept > /root/kept")
+        ws.spawn(["python3", f"{DIR}/perf_hold.py", "/tmp/perf.ready"], log="/tmp/perf.log")
+        ready = host.wait_file(ws, "/tmp/perf.ready").split()
+        if ready[0] == "error":
+            pytest.skip(f"perf_event_open refused in the workspace (errno {ready[1]}): no way to fail CRIU here")
+        perf_pid = int(ready[0])
+        assert os.readlink(f"/proc/{host_pid_of(ws, perf_pid)}/fd/{ready[1]}") == "anon_inode:[perf_event]"
+        before = set(os.listdir(paths().snapshots))
+
+        for attempt in (ws.snapshot, lambda: ws.fork(2)):
+            t = time.perf_counter()
+            with pytest.raises(ForkError) as ei:
+                attempt()
+            print(f"\nfailed snapshot took {time.perf_counter() - t:.3f} s: {ei.value}")
+            log = _dump_log(ei.value)
+            logs.append(log)
+            assert ws.id in str(ei.value) and "CRIU dump" in str(ei.value)
+            assert log.is_file(), f"the named CRIU log {log} does not exist"
+            assert "perf_event" in log.read_text(errors="replace"), "the log does not show what CRIU could not dump"
+            # the source is thawed, running and unchanged
+            assert not host.frozen(ws), "the source stayed frozen after the failed dump"
+            assert heap(ws, PORT, "incr") == str(len(logs))
+            assert ws.read_file("/root/kept") == b"kept\n"
+            assert any("perf_hold.py" in r for r in host.proc_tree(ws))
+            # nothing half-made is left in the snapshot store (ephemeral fork snapshot included)
+            snap_id = log.name.removesuffix("-dump.log")
+            assert not (paths().snapshots / snap_id).exists(), f"partial snapshot {snap_id} left behind"
+        assert not {d for d in set(os.listdir(paths().snapshots)) - before
+                    if (paths().snapshots / d / "meta.json").exists()
+                    and f'"workspace": "{ws.id}"' in (paths().snapshots / d / "meta.json").read_text()}
+
+        # without the undumpable fd, the same workspace snapshots and forks fine
+        sh(ws, f"kill {perf_pid}")
+        snap = ws.snapshot()
+        clones = snap.fork(1)
+        assert heap(clones[0], PORT, "get") == "2" and clones[0].read_file("/root/kept") == b"kept\n"
+    finally:
+        host.close_all(clones, ws)
+        for log in logs:
+            log.unlink(missing_ok=True)
+    if snap is not None:
+        snap.delete()
+
+
+def host_pid_of(ws: Workspace, ns_pid: int) -> int:
+    """The host pid of a process known by its pid inside the workspace."""
+    for pid in ws.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+        if int(nspid[-1]) == ns_pid:
+            return pid
+    raise AssertionError(f"{ws.id}: no process {ns_pid}")
+
+
+@pytest.mark.parametrize("mode", ["share", "map-anon"])
+def test_killing_a_clone_never_affects_siblings_source_or_snapshot(mode):
+    from conftest import leftovers
+
+    ws = Workspace.create("base", memory_mode=mode)
+    clones, snap = [], None
+    try:
+        host.install(ws, "heap.py", "heapctl.py")
+        host.heap_start(ws, PORT, 32, "kill")
+        sh(ws, "echo src > /root/who")
+        snap = ws.snapshot()
+        clones = snap.fork(3)
+        want = host.heap_expected(32, "kill")
+        victim, *siblings = clones
+        for i, c in enumerate(siblings):
+            sh(c, f"echo sibling{i} > /root/who")
+
+        # SIGKILL the victim's PID 1 from the host: its whole pid namespace dies
+        os.kill(victim.pid, signal.SIGKILL)
+        _wait_gone(victim.pid)
+        for i, c in enumerate(siblings):
+            assert heap(c, PORT, "sha") == want and c.read_file("/root/who") == f"sibling{i}\n".encode()
+        assert heap(ws, PORT, "sha") == want and ws.read_file("/root/who") == b"src\n"
+        assert sorted(snap.users()["clones"]) == sorted(c.id for c in siblings)
+        victim.close()  # reclaiming a dead clone works and touches nothing else
+        assert not leftovers([victim.id]), leftovers([victim.id])
+
+        # an orderly close of another clone
+        siblings[0].close()
+        assert not leftovers([siblings[0].id])
+        assert heap(siblings[1], PORT, "sha") == want
+
+        # the snapshot still forks, and a new clone has the snapshot's state
+        [late] = snap.fork(1)
+        clones.append(late)
+        assert heap(late, PORT, "sha") == want and late.read_file("/root/who") == b"src\n"
+
+        # killing the SOURCE does not touch its clones either
+        os.kill(ws.pid, signal.SIGKILL)
+        _wait_gone(ws.pid)
+        for c in (siblings[1], late):
+            assert heap(c, PORT, "incr") == "1"
+            assert heap(c, PORT, "sha") == want
+    finally:
+        host.close_all(clones, ws)
+    assert not leftovers([ws.id, *(c.id for c in clones)])
+    if snap is not None:
+        snap.delete()
