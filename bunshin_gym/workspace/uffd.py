@@ -1,0 +1,378 @@
+"""Anonymous memory shared copy-on-write across clones, with exact semantics, through userfaultfd.
+
+This is what serves a clone's anonymous memory in the ``share`` memory mode when the kernel
+has userfaultfd minor faults on shmem (else ``share`` falls back to KSM, see
+:func:`bunshin_gym.workspace.memory.share_anon_mechanism`):
+
+- the snapshot's CRIU images are copied once onto a dedicated tmpfs (:func:`images_root`),
+  the page images sparse and larger than their data; ``criu restore -D`` reads that copy;
+- CRIU (``criu/patches/0003-uffd-share-anon.patch``) maps every private anonymous range
+  ``MAP_PRIVATE`` from it, so all clones share the page cache and writes copy, and hands each
+  restored process's userfaultfd to the clone's monitor;
+- the monitor (``native/uffd-monitor.c``, one per clone, a worker and a guard) registers
+  those ranges, maps every page up front (``UFFDIO_CONTINUE``) and keeps a per-page discard
+  bitmap so that dropped memory reads back as zeros, through fork, mremap and munmap;
+- if the monitor dies, its guard (or :func:`check`) stops the clone and leaves a report
+  (:func:`failure`): a clone is never left reading stale image data.
+
+Re-dumping a clone (``CRIU_UFFD_IMAGES``, :func:`dump_env`) records these mappings as the
+anonymous memory they stand for. Workspaces reject ``MADV_FREE`` (seccomp filter of the
+workspace's PID 1), which would otherwise make the monitor zero live data.
+
+Measure with :func:`cpu_seconds` (monitor CPU) and :func:`stats` (counters of one clone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from functools import cache
+from pathlib import Path
+
+from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import records
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.errors import ForkError, SetupError
+
+HERE = Path(__file__).parent
+SOURCE = HERE / "native" / "uffd-monitor.c"
+CFLAGS = ["-O2", "-Wall"]
+#: sparse room past the data of every page image: a mapping grown in place (mremap) stays
+#: inside the file (a fault past its end would be SIGBUS; inside, the monitor gives zeros)
+IMAGE_HEADROOM = 64 << 30
+#: the criu binary knows the mechanism if it contains this string (criu/patches/0003-*)
+CRIU_MARKER = b"CRIU_UFFD_SOCK"
+
+
+# build and availability ------------------------------------------------------------------
+def monitor_binary(p: Paths | None = None) -> Path:
+    """The monitor binary, compiled from ``native/uffd-monitor.c`` once per source version."""
+    p = p or paths()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    out = p.home / "uffd" / key / "bunshin-uffd-monitor"
+    if out.exists():
+        return out
+    if shutil.which("gcc") is None:
+        raise SetupError("gcc is missing (needed to build the uffd monitor); run: scripts/setup.sh")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    proc = subprocess.run(["gcc", *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SetupError(f"compiling {SOURCE} failed:\n{proc.stderr}")
+    os.rename(tmp, out)
+    return out
+
+
+@cache
+def _criu_has_uffd(criu: str, mtime: float) -> bool:
+    try:
+        return CRIU_MARKER in Path(criu).read_bytes()
+    except OSError:
+        return False
+
+
+@cache
+def _kernel_probe(binary: str) -> tuple[bool, str]:
+    proc = subprocess.run([binary, "--probe"], capture_output=True, text=True)
+    return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def unavailable_reason(p: Paths | None = None) -> str | None:
+    """Why the mechanism cannot be used on this host (None when it can)."""
+    p = p or paths()
+    if os.environ.get("BUNSHIN_SHARE_ANON", "").lower() == "ksm":
+        return "BUNSHIN_SHARE_ANON=ksm"
+    try:
+        binary = monitor_binary(p)
+    except (SetupError, OSError) as e:
+        return str(e)
+    ok, msg = _kernel_probe(str(binary))
+    if not ok:
+        return msg
+    try:
+        mtime = p.criu.stat().st_mtime
+    except OSError:
+        return f"CRIU is not built ({p.criu}); run: criu/build.sh"
+    if not _criu_has_uffd(str(p.criu), mtime):
+        return f"{p.criu} lacks criu/patches/0003-uffd-share-anon.patch; run: criu/build.sh"
+    return None
+
+
+def available(p: Paths | None = None) -> bool:
+    return unavailable_reason(p) is None
+
+
+# page images on tmpfs --------------------------------------------------------------------
+def images_root(p: Paths | None = None) -> Path:
+    """The tmpfs holding clones' page images (mounted on first use; no huge pages)."""
+    p = p or paths()
+    root = p.run / "uffd-images"
+    if not os.path.ismount(root):
+        root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,huge=never,nr_inodes=0", "bunshin-uffd",
+                               str(root)], capture_output=True, text=True)
+        if proc.returncode != 0 and not os.path.ismount(root):
+            raise SetupError(f"mounting a tmpfs on {root} failed: {proc.stderr.strip()}")
+    return root
+
+
+@contextlib.contextmanager
+def _images_lock(p: Paths):
+    root = images_root(p)
+    with open(root / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield root
+
+
+def prepare_images(snap_id: str, criu_dir: Path, p: Paths | None = None) -> Path:
+    """The tmpfs copy of a snapshot's CRIU images (made once; ``criu restore -D`` reads it)."""
+    p = p or paths()
+    with _images_lock(p) as root:
+        d = root / snap_id
+        if (d / ".complete").exists():
+            return d
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        for f in criu_dir.iterdir():
+            if f.is_file() and f.suffix == ".img":
+                shutil.copyfile(f, d / f.name)
+                if f.name.startswith("pages-"):
+                    os.truncate(d / f.name, f.stat().st_size + IMAGE_HEADROOM)
+        (d / ".complete").touch()
+        return d
+
+
+def _uffd_users(p: Paths) -> set[str]:
+    """Snapshots whose images a running uffd clone (or one being restored) maps."""
+    users = set()
+    for r in records.all_records(p):
+        if "uffd" in r.extra and r.snapshot and (r.pid1 is None or r.running()):
+            users.add(r.snapshot)
+    return users
+
+
+def release_images(p: Paths | None = None, snap_id: str | None = None, *, force: bool = False) -> list[str]:
+    """Drop tmpfs image copies no running clone maps (one snapshot's, or all); ``force``
+    drops a deleted snapshot's copy outright. Pages still mapped stay until unmapped."""
+    p = p or paths()
+    root = p.run / "uffd-images"
+    if not os.path.ismount(root):
+        return []
+    dropped = []
+    with _images_lock(p):
+        used = set() if force else _uffd_users(p)
+        for d in sorted(root.iterdir()):
+            if not d.is_dir() or (snap_id and d.name != snap_id) or d.name in used:
+                continue
+            if not force and time.time() - d.stat().st_mtime < 5 and not (d / ".complete").exists():
+                continue  # being made
+            shutil.rmtree(d, ignore_errors=True)
+            dropped.append(d.name)
+    return dropped
+
+
+# the monitor -----------------------------------------------------------------------------
+def _files(rec: records.Record, p: Paths) -> dict[str, Path]:
+    d = p.run / "uffd"
+    return {"sock": d / f"{rec.id}.sock", "state": d / f"{rec.id}.json", "report": d / f"{rec.id}.report",
+            "log": d / f"{rec.id}.log"}
+
+
+def start(rec: records.Record, p: Paths | None = None) -> dict:
+    """Start the monitor of one clone (before its restore); recorded in ``rec.extra["uffd"]``."""
+    p = p or paths()
+    f = _files(rec, p)
+    f["sock"].parent.mkdir(parents=True, exist_ok=True)
+    for k in ("sock", "state", "report"):
+        f[k].unlink(missing_ok=True)
+    root = images_root(p)
+    with open(f["log"], "ab") as log:
+        proc = subprocess.Popen(
+            [str(monitor_binary(p)), str(f["sock"]), str(root), str(f["state"]), str(f["report"]),
+             *(str(d) for d in Cgroup(rec.cgroup).dirs)],
+            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    line = proc.stdout.readline().decode().split()
+    proc.stdout.close()
+    if len(line) != 3 or line[0] != "ready":
+        proc.wait(timeout=5)
+        raise ForkError(f"{rec.id}: the uffd monitor did not start (exit {proc.returncode}); log: {f['log']}")
+    guard, worker = int(line[1]), int(line[2])
+    info = {"guard": guard, "guard_start": records.proc_start_time(guard), "worker": worker,
+            "worker_start": records.proc_start_time(worker), "sock": str(f["sock"])}
+    # the guard is our child only until we return: nobody waits for it later, so the host's
+    # init (or subreaper) must reap it: detach it from this process's zombies
+    _detach(proc)
+    rec.extra["uffd"] = info
+    records.save(rec, p)
+    return info
+
+
+def _detach(proc: subprocess.Popen) -> None:
+    """Forget a child without leaving a zombie: a thread waits for it."""
+    import threading
+
+    threading.Thread(target=proc.wait, daemon=True).start()
+
+
+def restore_env(rec: records.Record) -> dict[str, str]:
+    """Environment for ``criu restore`` of a clone served by its monitor."""
+    return {"CRIU_UFFD_SOCK": rec.extra["uffd"]["sock"]}
+
+
+def dump_env(p: Paths | None = None) -> dict[str, str]:
+    """Environment for ``criu dump``: mappings of the tmpfs images are anonymous memory."""
+    root = (p or paths()).run / "uffd-images"
+    return {"CRIU_UFFD_IMAGES": str(root)} if os.path.ismount(root) else {}
+
+
+def monitor_alive(rec: records.Record) -> bool:
+    u = rec.extra.get("uffd")
+    return bool(u) and records.process_alive(u["guard"], u["guard_start"]) and \
+        records.process_alive(u["worker"], u["worker_start"])
+
+
+def stop(rec: records.Record, p: Paths | None = None, timeout: float = 5.0) -> None:
+    """Stop a clone's monitor (after its processes are gone) and remove its files."""
+    u = rec.extra.get("uffd")
+    if not u:
+        return
+    p = p or paths()
+    for key, sig in (("guard", signal.SIGTERM), ("worker", signal.SIGKILL)):
+        pid, start_t = u[key], u[f"{key}_start"]
+        if key == "worker":  # the guard stops its worker; only a straggler gets SIGKILL
+            _wait_dead(pid, start_t, timeout)
+        if records.process_alive(pid, start_t):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        _wait_dead(pid, start_t, timeout)
+    for f in _files(rec, p).values():
+        f.unlink(missing_ok=True)
+    del rec.extra["uffd"]
+    if records.load(rec.id, p) is not None:
+        records.save(rec, p)
+
+
+def _wait_dead(pid: int, start_t: int | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while records.process_alive(pid, start_t) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+# health ----------------------------------------------------------------------------------
+def failure(rec: records.Record, p: Paths | None = None) -> str | None:
+    """Why this clone's monitor is gone (its report), or None while it serves the clone."""
+    if "uffd" not in rec.extra:
+        return None
+    p = p or paths()
+    rep = _files(rec, p)["report"]
+    if rep.exists():
+        try:
+            r = json.loads(rep.read_text())
+            return f"{rec.id}: {r['reason']}; the clone was stopped ({r['who']} of the uffd monitor)"
+        except (OSError, ValueError, KeyError):
+            return f"{rec.id}: the uffd monitor failed; report: {rep}"
+    if rec.pid1 is not None and not monitor_alive(rec):
+        return f"{rec.id}: the uffd monitor (pids {rec.extra['uffd']['guard']}, " \
+               f"{rec.extra['uffd']['worker']}) is gone; the clone was stopped"
+    return None
+
+
+def check(rec: records.Record, p: Paths | None = None) -> str | None:
+    """Health check: a clone whose monitor is gone is stopped at once (it must not read stale
+    data) and the reason returned; None when all is well."""
+    why = failure(rec, p)
+    if why and rec.running():
+        cg = Cgroup(rec.cgroup)
+        with contextlib.suppress(OSError):
+            cg.freeze(timeout=1)
+        cg.kill_all()
+        with contextlib.suppress(OSError):
+            cg.thaw(timeout=1)
+        rep = _files(rec, p or paths())["report"]
+        if not rep.exists():
+            rep.write_text(json.dumps({"event": "monitor-died", "who": "controller", "reason": why,
+                                       "time": time.time(), "action": "clone stopped"}) + "\n")
+    return why
+
+
+def check_all(p: Paths | None = None) -> dict[str, str]:
+    """:func:`check` every uffd clone on this host; returns {workspace id: reason} of the failed."""
+    p = p or paths()
+    out = {}
+    for rec in records.all_records(p):
+        why = check(rec, p)
+        if why:
+            out[rec.id] = why
+    return out
+
+
+# measurements ----------------------------------------------------------------------------
+def _cpu(pid: int, start_t: int | None) -> float:
+    if not records.process_alive(pid, start_t):
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(ws_ids: list[str] | None = None, p: Paths | None = None) -> float:
+    """CPU seconds (user + system) used so far by the monitors of running clones (of the given
+    workspaces, or all). Sample before and after a phase and subtract."""
+    p = p or paths()
+    total = 0.0
+    for rec in records.all_records(p):
+        u = rec.extra.get("uffd")
+        if u and (ws_ids is None or rec.id in ws_ids):
+            total += _cpu(u["guard"], u["guard_start"]) + _cpu(u["worker"], u["worker_start"])
+    return total
+
+
+def stats(ws_id: str, p: Paths | None = None) -> dict:
+    """Counters of one clone's monitor (faults, zero pages, events, processes, bitmap bytes,
+    errors; rewritten every second)."""
+    p = p or paths()
+    rec = records.load(ws_id, p)
+    if rec is None or "uffd" not in rec.extra:
+        return {}
+    try:
+        return json.loads(_files(rec, p)["state"].read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
+    """Monitor files and image copies no record accounts for (tests check this stays empty)."""
+    p = p or paths()
+    recs = records.all_records(p)
+    ids = {r.id for r in recs}
+    d = p.run / "uffd"
+    files = sorted(f.name for f in d.iterdir() if f.name.split(".")[0] not in ids
+                   and not f.name.endswith(".log")) if d.exists() else []
+    root = p.run / "uffd-images"
+    used = {r.snapshot for r in recs if "uffd" in r.extra}
+    imgs = sorted(x.name for x in root.iterdir() if x.is_dir() and x.name not in used) \
+        if os.path.ismount(root) else []
+    return {"files": files, "images": imgs}
+
+
+def sweep(p: Paths | None = None) -> list[str]:
+    """``bunshin gc``: remove monitor files of workspaces that no longer exist, and unused images."""
+    p = p or paths()
+    ids = {r.id for r in records.all_records(p)}
+    d = p.run / "uffd"
+    gone = []
+    for f in sorted(d.iterdir()) if d.exists() else []:
+        if f.name.split(".")[0] not in ids:
+            f.unlink(missing_ok=True)
+            gone.append(f.name)
+    return gone + release_images(p)
