@@ -11,7 +11,9 @@ clone (memory dropped with ``MADV_DONTNEED`` reads back as zeros); tests check i
               data) are mapped copy-on-write from the snapshot's page image (exact: a file
               mapping's dropped page comes back from the same file, as it would from the
               library); anonymous memory is shared by the best exact mechanism available,
-              :data:`SHARE_ANON_MECHANISM` (KSM for now).
+              :data:`SHARE_ANON_MECHANISM`: ``"uffd"`` (copy-on-write from the image on tmpfs
+              with a userfaultfd monitor, :mod:`bunshin_gym.workspace.uffd`) where the kernel
+              and CRIU support it, else ``"ksm"``.
 ``map-anon``  anonymous memory too is mapped from the page image. UNSAFE, opt-in: after
               ``MADV_DONTNEED`` such memory reads back the image's page instead of zeros
               (chromium's and jemalloc's allocators crash on that).
@@ -45,12 +47,28 @@ class MemoryMode(StrEnum):
 
 
 DEFAULT_MODE = MemoryMode.SHARE
-#: what serves anonymous memory in "share" mode (reported by the fork benchmark)
-SHARE_ANON_MECHANISM = "ksm"
+
+
+def share_anon_mechanism() -> str:
+    """What serves anonymous memory in "share" mode: "uffd", or "ksm" where the kernel lacks
+    userfaultfd minor faults on shmem or CRIU lacks the patch (``BUNSHIN_SHARE_ANON=ksm`` forces it)."""
+    from bunshin_gym.workspace import uffd
+
+    return "uffd" if uffd.available() else "ksm"
+
+
+def __getattr__(name: str):
+    if name == "SHARE_ANON_MECHANISM":  # reported by the fork benchmark; probed on first use
+        return share_anon_mechanism()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def uses_uffd(mode: MemoryMode) -> bool:
+    return mode is MemoryMode.SHARE and share_anon_mechanism() == "uffd"
 
 
 def uses_ksm(mode: MemoryMode) -> bool:
-    return mode in (MemoryMode.KSM, MemoryMode.SHARE)
+    return mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and share_anon_mechanism() == "ksm")
 
 
 def maps_images(mode: MemoryMode) -> bool:
