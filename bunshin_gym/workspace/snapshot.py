@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import memory, pool, records
+from bunshin_gym.workspace import memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -196,7 +196,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             proc = subprocess.run(
                 [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS,
                  "--freeze-cgroup", str(freezer), "-o", "dump.log", "-v4"],
-                capture_output=True, text=True,
+                capture_output=True, text=True, env=dict(os.environ, **uffd.dump_env(p)),
             )
             times["dump_ms"] = _ms(t)
         finally:
@@ -234,6 +234,11 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
     logs.mkdir(parents=True, exist_ok=True)
     layer = rec.layer
     env = dict(os.environ, **memory.restore_env(mode, f"/.snap/{snap.id}/criu"))
+    images = snap.criu_dir
+    if memory.uses_uffd(mode):  # anonymous memory from a tmpfs copy of the images, served by a monitor
+        uffd.start(rec, p)  # first: the record then marks the images as in use
+        images = uffd.prepare_images(snap.id, snap.criu_dir, p)
+        env.update(uffd.restore_env(rec))
     if memory.uses_ksm(mode):
         memory.ksm_acquire(rec.id)
     cmd = [
@@ -241,7 +246,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         str(sub / "upper"), str(sub / "work"), "1" if memory.uses_ksm(mode) else "0",
         *Cgroup(rec.cgroup).procs_files, "--",
         # -W: CRIU writes its stats-restore file into the work dir, not into the immutable snapshot
-        str(p.criu), "restore", "-D", str(snap.criu_dir), "-W", str(logs), "--restore-detached",
+        str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
         "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
@@ -303,6 +308,7 @@ def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise ForkError(f"workspace {rec.id}: processes {cg.pids()} survive SIGKILL")
         time.sleep(0.001)
+    uffd.stop(rec)  # only once nothing it served runs
 
 
 def release_snapshot(snap_id: str | None, p: Paths) -> None:
@@ -324,6 +330,7 @@ def _ms(t0: float) -> float:
 
 
 def _remove_dir(path: Path) -> None:
+    uffd.release_images(snap_id=path.name, force=True)
     if (path / "fs").exists():
         pool.delete_subvolume(path / "fs")
     shutil.rmtree(path, ignore_errors=True)
