@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import cgroups, memory, pool, records
+from bunshin_gym.workspace import cgroups, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.images import build_lock
 from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
@@ -30,6 +30,7 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     subvolumes and cgroups that no record names."""
     p = p or paths()
     rep = GcReport()
+    uffd.check_all(p)  # a clone whose uffd monitor died is stopped (then reclaimed below)
     for rec in records.all_records(p):
         if all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()):
             reclaim(rec, p)
@@ -76,4 +77,5 @@ def _sweep_snapshots(p: Paths) -> list[str]:
         if before and not d.exists():
             swept.append(d.name)
     memory.ksm_release("", live={r.id for r in records.all_records(p)})
+    uffd.sweep(p)
     return swept

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import pool, records, snapshot
+from bunshin_gym.workspace import pool, records, snapshot, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
@@ -179,6 +179,8 @@ class Workspace:
 
     def _agent(self) -> AgentClient:
         self._check_open()
+        if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
+            raise WorkspaceClosed(why)
         if self._client is None:
             raise WorkspaceError(f"workspace {self.id} has no agent")
         return self._client
@@ -384,3 +386,4 @@ def reclaim(rec: records.Record, p: Paths | None = None) -> None:
         ksm_release(rec.id)
     records.remove(rec.id, p)
     snapshot.release_snapshot(rec.snapshot, p)
+    uffd.release_images(p, rec.snapshot)
