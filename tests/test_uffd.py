@@ -1,0 +1,277 @@
+"""Share mode's anonymous memory through userfaultfd (bunshin_gym/workspace/uffd.py, the CRIU
+patch criu/patches/0003-uffd-share-anon.patch and native/uffd-monitor.c), on real workspaces.
+
+Each test is able to fail: the semantics program runs in the source workspace too (so a bug in
+the program shows there), and the memory and monitor checks read the kernel's and the
+monitor's own numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from bunshin_gym.config import paths
+from bunshin_gym.workspace import AgentError, Workspace, WorkspaceClosed, memory, records, uffd
+
+HERE = Path(__file__).parent / "uffd_programs"
+DIR = "/opt/uffdtest"
+SEM_MB = 32
+
+pytestmark = pytest.mark.skipif(not uffd.available(), reason=f"uffd share unavailable: {uffd.unavailable_reason()}")
+
+
+@functools.cache
+def _compiled(name: str) -> bytes:
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / name
+        subprocess.run(["gcc", "-static", "-O1", "-Wall", "-o", str(out), str(HERE / f"{name}.c")],
+                       check=True, capture_output=True, text=True)
+        return out.read_bytes()
+
+
+def _wait_file(ws: Workspace, path: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ws.read_file(path).decode()
+        except AgentError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{ws.id}: {path} not there after {timeout}s") from None
+            time.sleep(0.05)
+
+
+def _sh(ws: Workspace, cmd: str) -> str:
+    res = ws.exec(cmd, timeout=120)
+    assert res.ok, f"{ws.id}: {cmd!r}: exit {res.exit_code}: {res.stderr.decode()}"
+    return res.text
+
+
+def _results(ws: Workspace, pid: int) -> dict[str, int]:
+    _sh(ws, f"kill -USR1 {pid}")
+    text = _wait_file(ws, "/tmp/sem.out")
+    return {k: int(v) for k, v in (line.split("=") for line in text.split())}
+
+
+def _start_sem(ws: Workspace, mb: int = SEM_MB) -> int:
+    ws.write_file(f"{DIR}/uffdsem", _compiled("uffdsem"), mode=0o755)
+    ws.spawn([f"{DIR}/uffdsem", str(mb), "/tmp/sem.ready", "/tmp/sem.out"], log="/tmp/sem.log")
+    return int(_wait_file(ws, "/tmp/sem.ready"))
+
+
+def _uffds(pids: list[int]) -> int:
+    """userfaultfd descriptors the given processes hold."""
+    n = 0
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    n += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[userfaultfd]"
+                except OSError:
+                    pass
+        except OSError:
+            pass
+    return n
+
+
+def _rollup(pids: list[int]) -> dict[str, int]:
+    tot: dict[str, int] = {}
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines()[1:]:
+            k, _, v = line.partition(":")
+            tot[k] = tot.get(k, 0) + int(v.split()[0]) * 1024
+    return tot
+
+
+def test_share_mode_reports_uffd():
+    assert memory.SHARE_ANON_MECHANISM == "uffd"
+    assert memory.uses_uffd(memory.MemoryMode.SHARE) and not memory.uses_ksm(memory.MemoryMode.SHARE)
+    assert memory.uses_ksm(memory.MemoryMode.KSM)  # KSM stays available as a mode
+
+
+def test_semantics_in_clone_and_its_forked_children():
+    """MADV_DONTNEED reads zeros in a clone; a forked child (and grandchild) sees its parent's
+    drops as zeros and its own drops too; mremap (move, grow) keeps semantics; MADV_FREE fails
+    with EINVAL and loses nothing, also after MADV_PAGEOUT. Same answers as the source."""
+    ws = Workspace.create("base", memory_mode="share")
+    clones, snap = [], None
+    try:
+        pid = _start_sem(ws)
+        snap = ws.snapshot()
+        clones = snap.fork(2)
+        for c in clones:
+            assert "uffd" in c._rec.extra
+            res = _results(c, pid)
+            print(f"\n{c.id}: {res}")
+            st = uffd.stats(c.id) or {}
+            deadline = time.monotonic() + 3
+            while st.get("remove", 0) == 0 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                st = uffd.stats(c.id)
+            print(f"{c.id} monitor: {st}")
+            assert res["free_rc"] == -1 and res["free_errno"] == 22, "MADV_FREE must fail with EINVAL"
+            bad = {k: v for k, v in res.items() if v != 0 and k not in ("free_rc", "free_errno")}
+            assert not bad, f"{c.id}: semantics violated: {bad}"
+            # the mechanism really served this clone: its area was registered and drops were seen
+            assert st["registered_pages"] >= SEM_MB * 256
+            assert st["remove"] > 0 and st["fork"] >= 2 and st["remap"] >= 1 and st["errors"] == 0
+        src = _results(ws, pid)
+        assert {k: v for k, v in src.items() if v and k not in ("free_rc", "free_errno")} == {}
+        assert src["free_errno"] == 22
+    finally:
+        for c in clones:
+            c.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+def test_clones_share_unwritten_anonymous_memory():
+    """Two clones of a 96 MB heap: the heap is the page cache's, counted once; each clone's
+    private anonymous memory is a small fraction of it."""
+    mb = 96
+    ws = Workspace.create("base", memory_mode="share")
+    clones, snap = [], None
+    try:
+        pid = _start_sem(ws, mb)
+        snap = ws.snapshot()
+        t = time.perf_counter()
+        clones = snap.fork(2)
+        print(f"\nfork of 2 ({mb} MB heap): {time.perf_counter() - t:.3f} s")
+        for c in clones:
+            r = _rollup(c.pids())
+            st = uffd.stats(c.id)
+            print(f"{c.id}: Pss {r['Pss'] >> 20} MB Pss_Anon {r['Pss_Anon'] >> 20} MB "
+                  f"Pss_Shmem {r['Pss_Shmem'] >> 20} MB Anonymous {r['Anonymous'] >> 20} MB; monitor {st}")
+            assert r["Anonymous"] < (mb << 20) // 4, "the clone copied its heap"
+            assert r["Pss_Shmem"] > (mb << 20) // 4, "the heap is not mapped from the shared image"
+        # the source's heap stays right, and a clone reads the same pattern
+        assert _results(clones[0], pid)["before_bad"] == 0
+    finally:
+        for c in clones:
+            c.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+def test_nested_snapshot_of_a_uffd_clone():
+    """A clone is snapshotted again: its image mappings are dumped as anonymous memory, and the
+    grandchild clone (share again, and copy) has exact semantics and the same data."""
+    ws = Workspace.create("base", memory_mode="share")
+    made: list[Workspace] = []
+    snaps = []
+    try:
+        pid = _start_sem(ws)
+        snaps.append(ws.snapshot())
+        (child,) = snaps[0].fork(1)
+        made.append(child)
+        snaps.append(child.snapshot())
+        log = (snaps[1].criu_dir / "dump.log")
+        if log.exists():
+            assert "uffd-share:" in log.read_text(errors="replace")
+        for mode in ("share", "copy"):
+            (g,) = snaps[1].fork(1, mode=mode)
+            made.append(g)
+            res = _results(g, pid)
+            bad = {k: v for k, v in res.items() if v and k not in ("free_rc", "free_errno")}
+            assert not bad, f"grandchild ({mode}): {bad}"
+    finally:
+        for w in reversed(made):
+            w.close()
+        ws.close()
+        for s in reversed(snaps):
+            s.delete()
+
+
+@pytest.mark.parametrize("victim", ["worker", "guard"])
+def test_killing_the_monitor_stops_the_clone_with_a_report(victim):
+    ws = Workspace.create("base", memory_mode="share")
+    clone, snap = None, None
+    try:
+        pid = _start_sem(ws, 8)
+        snap = ws.snapshot()
+        (clone,) = snap.fork(1)
+        u = dict(clone._rec.extra["uffd"])
+        pids = clone.pids()
+        assert pids
+        os.kill(u[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(records.process_alive(q, records.proc_start_time(q)) for q in pids):
+            assert time.monotonic() < deadline, "the clone kept running after its monitor died"
+            time.sleep(0.05)
+        why = uffd.failure(clone._rec)
+        print(f"\nreport: {why}")
+        assert why and "stopped" in why
+        if victim == "worker":
+            assert "killed by signal 9" in why
+        else:
+            assert "guard" in why
+        with pytest.raises(WorkspaceClosed, match="uffd monitor|monitor's"):
+            clone.exec("true")
+        assert _results(ws, pid)["before_bad"] == 0  # the source is untouched
+    finally:
+        if clone is not None:
+            clone.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+def _cycles(n: int) -> None:
+    p = paths()
+    ws = Workspace.create("base", memory_mode="share")
+    try:
+        pid = _start_sem(ws, 8)
+        base_fds = len(os.listdir("/proc/self/fd"))
+        for i in range(n):
+            snap = ws.snapshot()
+            (c,) = snap.fork(1)
+            u = c._rec.extra["uffd"]
+            if i == 0:
+                # a restored process forks 20 children that exit: the monitor follows and forgets them
+                _sh(c, f"kill -USR2 {pid}")
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    st = uffd.stats(c.id)
+                    if st.get("fork", 0) >= 20 and st["processes"] <= 4:
+                        break
+                    time.sleep(0.2)
+                st = uffd.stats(c.id)
+                print(f"\nafter 20 forks: {st}")
+                assert st["fork"] >= 20 and st["processes"] <= 4, "monitor keeps state of exited processes"
+                # no restored process keeps a userfaultfd; the monitor holds one per process, the guard a copy
+                assert _uffds(c.pids()) == 0
+                assert _uffds([u["worker"]]) == st["processes"] and _uffds([u["guard"]]) == st["processes"]
+            c.close()
+            snap.delete()
+            assert not records.process_alive(u["guard"], u["guard_start"])
+            assert not records.process_alive(u["worker"], u["worker_start"])
+        left = uffd.leftovers(p)
+        assert left == {"files": [], "images": []}, left
+        assert len(os.listdir("/proc/self/fd")) <= base_fds
+        assert not (p.run / "uffd-images").exists() or not [
+            d for d in (p.run / "uffd-images").iterdir() if d.is_dir()
+            and d.name.startswith("snap-") and not any(r.snapshot == d.name for r in records.all_records(p))]
+    finally:
+        ws.close()
+
+
+def test_fork_close_cycles_leak_nothing():
+    _cycles(10)
+
+
+@pytest.mark.slow
+def test_100_fork_close_cycles_leak_nothing():
+    _cycles(100)
