@@ -1,0 +1,305 @@
+"""Bunshin-OSWorld-v0: a Linux desktop workspace driven like OSWorld's ``DesktopEnv``.
+
+The workspace (image ``osworld``) runs Xvfb, openbox, a terminal (xterm), a text editor
+(mousepad), chromium and LibreOffice Calc as user ``user`` (password ``password``).
+Actions go to an input server inside the workspace; screenshots are read by the host
+straight from the X socket. Tasks are OSWorld task files (see :mod:`.tasks`); the
+reward, given at the end of the episode, is the task evaluator's score.
+
+Action spaces (``action_space=``):
+    ``"computer_13"``: dicts ``{"action_type": "CLICK", "x": 10, "y": 20, "button": "left",
+        "num_clicks": 1}``; types MOVE_TO, CLICK, MOUSE_DOWN, MOUSE_UP, RIGHT_CLICK,
+        DOUBLE_CLICK, DRAG_TO, SCROLL (dx, dy), TYPING (text), PRESS (key), KEY_DOWN,
+        KEY_UP, HOTKEY (keys), WAIT, FAIL, DONE.
+    ``"pyautogui"``: a Python code string using ``pyautogui`` (bunshin's implementation on
+        python-xlib; ``import pyautogui`` works), run against the workspace display; or
+        one of the strings ``"WAIT"``, ``"FAIL"``, ``"DONE"``.
+A malformed action (or one that raises) is reported in ``info["error"]``; the episode goes on.
+
+Observation: ``screenshot`` (uint8 array, height x width x 3), ``accessibility_tree``
+(XML text from AT-SPI; "" unless ``require_a11y_tree``), ``terminal`` (the terminal's
+transcript; "" unless ``require_terminal``), ``instruction``.
+
+Example:
+    >>> import gymnasium as gym, bunshin_gym
+    >>> env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
+    >>> obs, info = env.reset(options={"task": "osworld/terminal-mkdir-projects"})
+    >>> obs, reward, terminated, truncated, info = env.step("pyautogui.write('mkdir ~/projects\\\\n')")
+    >>> obs, reward, terminated, truncated, info = env.step("DONE")   # reward 1.0
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from bunshin_gym.core.env import ActionError, WorkspaceEnv
+from bunshin_gym.core.task import TaskError
+from bunshin_gym.envs.osworld import desktop, tasks
+from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
+from bunshin_gym.envs.osworld.xclient import XScreen
+
+SPECIAL = ("WAIT", "FAIL", "DONE")
+ACTION_TYPES = ("MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DOUBLE_CLICK", "DRAG_TO", "SCROLL",
+                "TYPING", "PRESS", "KEY_DOWN", "KEY_UP", "HOTKEY", *SPECIAL)
+BUTTONS = ("left", "right", "middle")
+MAX_CODE = 65536
+MAX_TEXT = 1 << 20
+CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t\r"
+
+
+class Computer13Space(spaces.Space):
+    """OSWorld's computer_13 actions: dicts with an ``action_type`` and its parameters."""
+
+    def __init__(self, width: int, height: int, seed: int | None = None):
+        super().__init__(None, None, seed)
+        self.width, self.height = width, height
+
+    def contains(self, x: Any) -> bool:
+        try:
+            check_computer_13(x, self.width, self.height)
+            return True
+        except ActionError:
+            return False
+
+    def sample(self, mask: Any = None, probability: Any = None) -> dict:
+        r = self.np_random
+        kind = ["MOVE_TO", "CLICK", "SCROLL", "TYPING", "PRESS", "HOTKEY", "WAIT"][r.integers(7)]
+        x, y = int(r.integers(self.width)), int(r.integers(self.height))
+        return {"MOVE_TO": {"action_type": kind, "x": x, "y": y},
+                "CLICK": {"action_type": kind, "x": x, "y": y, "button": "left", "num_clicks": 1},
+                "SCROLL": {"action_type": kind, "dx": 0, "dy": int(r.integers(-5, 6))},
+                "TYPING": {"action_type": kind, "text": "hello"},
+                "PRESS": {"action_type": kind, "key": "enter"},
+                "HOTKEY": {"action_type": kind, "keys": ["ctrl", "a"]},
+                "WAIT": {"action_type": kind}}[kind]
+
+    def __repr__(self) -> str:
+        return f"Computer13Space({self.width}x{self.height})"
+
+
+def _num(a: dict, key: str, lo: float, hi: float, required: bool) -> None:
+    if key not in a or a[key] is None:
+        if required:
+            raise ActionError(f"{a['action_type']} needs {key!r}")
+        return
+    v = a[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v < hi):
+        raise ActionError(f"{a['action_type']}: {key}={v!r} must be a number in [{lo}, {hi})")
+
+
+def check_computer_13(a: Any, width: int, height: int) -> str:
+    """Validate a computer_13 action's shape; returns its type. Raises :class:`ActionError`."""
+    if not isinstance(a, dict):
+        raise ActionError(f"a computer_13 action is a dict, not {type(a).__name__}")
+    kind = a.get("action_type")
+    if kind not in ACTION_TYPES:
+        raise ActionError(f"unknown action_type {kind!r} (one of {', '.join(ACTION_TYPES)})")
+    if kind in ("MOVE_TO", "DRAG_TO"):
+        _num(a, "x", 0, width, True)
+        _num(a, "y", 0, height, True)
+    elif kind in ("CLICK", "RIGHT_CLICK", "DOUBLE_CLICK"):
+        if ("x" in a) != ("y" in a):
+            raise ActionError(f"{kind}: give both x and y, or neither")
+        _num(a, "x", 0, width, False)
+        _num(a, "y", 0, height, False)
+        if kind == "CLICK":
+            _num(a, "num_clicks", 1, 4, False)
+    elif kind == "SCROLL":
+        _num(a, "dx", -1000, 1001, False)
+        _num(a, "dy", -1000, 1001, False)
+        if not a.get("dx") and not a.get("dy"):
+            raise ActionError("SCROLL needs a non-zero dx or dy")
+    elif kind == "TYPING":
+        if not isinstance(a.get("text"), str) or len(a["text"]) > MAX_TEXT:
+            raise ActionError("TYPING needs a string 'text'")
+    elif kind in ("PRESS", "KEY_DOWN", "KEY_UP"):
+        if not isinstance(a.get("key"), str) or not a["key"]:
+            raise ActionError(f"{kind} needs a string 'key'")
+    elif kind == "HOTKEY":
+        keys = a.get("keys")
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ActionError("HOTKEY needs a non-empty list of key names 'keys'")
+    if "button" in a and a["button"] not in BUTTONS and kind in ("CLICK", "MOUSE_DOWN", "MOUSE_UP"):
+        raise ActionError(f"{kind}: button must be one of {BUTTONS}, not {a['button']!r}")
+    return kind
+
+
+class OSWorldEnv(WorkspaceEnv):
+    """The desktop env (OSWorld-compatible tasks, actions and observations).
+
+    Args:
+        task: default task (a shipped id such as ``"osworld/calc-sum-column"``, an OSWorld
+            task dict, or a path to a task JSON file).
+        action_space: ``"computer_13"`` or ``"pyautogui"``.
+        screen_size: (width, height) of the virtual screen.
+        require_a11y_tree: include the AT-SPI tree in observations (0.2-3 s per step).
+        require_terminal: include the terminal transcript in observations.
+        cache_dir: extra directories (searched first) that ``download`` urls resolve from;
+            also ``$BUNSHIN_OSWORLD_CACHE`` (colon-separated). The shipped assets come last.
+        settle: seconds to wait after an action before the screenshot (OSWorld waits 2 s).
+        wait_seconds: how long ``WAIT`` sleeps.
+        action_timeout: seconds an action may run in the workspace before it is stopped.
+        **kwargs: see :class:`~bunshin_gym.core.env.WorkspaceEnv` (image, memory_mode, ...).
+    """
+
+    default_image = "osworld"
+
+    def __init__(self, task: Any = None, *, action_space: str = "computer_13",
+                 screen_size: tuple[int, int] = (1920, 1080), require_a11y_tree: bool = True,
+                 require_terminal: bool = False, cache_dir: str | list[str] | None = None,
+                 settle: float = 0.0, wait_seconds: float = 1.0, action_timeout: float = 60.0, **kwargs: Any):
+        super().__init__(task, **kwargs)
+        if action_space not in ("computer_13", "pyautogui"):
+            raise ValueError(f"action_space must be 'computer_13' or 'pyautogui', not {action_space!r}")
+        self.action_space_name = action_space
+        self.screen_size = (int(screen_size[0]), int(screen_size[1]))
+        self.require_a11y_tree = require_a11y_tree
+        self.require_terminal = require_terminal
+        self.settle = settle
+        self.wait_seconds = wait_seconds
+        self.action_timeout = action_timeout
+        extra = [cache_dir] if isinstance(cache_dir, (str, os.PathLike)) else list(cache_dir or [])
+        extra += [d for d in os.environ.get("BUNSHIN_OSWORLD_CACHE", "").split(":") if d]
+        self.cache = FileCache([*extra, ASSETS_DIR])
+        w, h = self.screen_size
+        text = spaces.Text(MAX_TEXT, min_length=0, charset=CHARSET)
+        self.observation_space = spaces.Dict({
+            "screenshot": spaces.Box(0, 255, (h, w, 3), np.uint8),
+            "accessibility_tree": text,
+            "terminal": text,
+            "instruction": text,
+        })
+        self.action_space = (Computer13Space(w, h) if action_space == "computer_13"
+                             else spaces.Text(MAX_CODE, min_length=1, charset=CHARSET))
+        self._x: XScreen | None = None
+        self._input: desktop.DesktopClient | None = None
+        self.history: list[Any] = []
+        self.setup_log: list[dict] = []
+        self.eval_dir: str | None = None  # set by the evaluator while it runs
+
+    # hooks -----------------------------------------------------------------------------
+    def load_task(self, spec: Any) -> OSWorldTask:
+        return tasks.load_task(spec)
+
+    def boot(self, ws: Any) -> None:
+        desktop.boot_desktop(ws, *self.screen_size)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        self.history, self.setup_log = [], []
+        obs, info = super().reset(seed=seed, options=options)
+        if self.setup_log:
+            info["setup_log"] = list(self.setup_log)
+        return obs, info
+
+    def execute(self, action: Any) -> dict:
+        special = self._special(action)
+        self.history.append(action)
+        if special is not None:
+            if special == "WAIT":
+                time.sleep(self.wait_seconds)
+            else:
+                self.done = True
+            return {"action": special}
+        if self.action_space_name == "pyautogui":
+            if not isinstance(action, str):
+                raise ActionError("a pyautogui action is a code string (or WAIT/FAIL/DONE), "
+                                  f"not {type(action).__name__}")
+            if not action.strip():
+                raise ActionError("empty pyautogui code")
+            req = {"op": "pyautogui", "code": action, "timeout": self.action_timeout}
+        else:
+            check_computer_13(action, *self.screen_size)
+            req = {"op": "computer_13", "action": action, "timeout": self.action_timeout}
+        reply = self._client().request(req, timeout=self.action_timeout + 10)
+        if self.settle:
+            time.sleep(self.settle)
+        if "error" in reply:
+            raise ActionError(reply["error"])
+        info = {"action_ms": round(reply.get("duration", 0.0) * 1e3, 3)}
+        if reply.get("output"):
+            info["output"] = reply["output"]
+        return info
+
+    def _special(self, action: Any) -> str | None:
+        if isinstance(action, str) and action.strip() in SPECIAL:
+            return action.strip()
+        if isinstance(action, dict) and action.get("action_type") in SPECIAL \
+                and self.action_space_name == "computer_13":
+            return action["action_type"]
+        return None
+
+    def observe(self) -> dict:
+        return {
+            "screenshot": self.screenshot(),
+            "accessibility_tree": self.accessibility_tree() if self.require_a11y_tree else "",
+            "terminal": self.terminal_output() if self.require_terminal else "",
+            "instruction": self.task.instruction if self.task else "",
+        }
+
+    def release_connections(self) -> None:
+        if self._x is not None:
+            self._x.close()
+        if self._input is not None:
+            self._input.close()
+
+    def episode_state(self) -> dict:
+        return {"history": list(self.history)}
+
+    def restore_episode_state(self, state: dict) -> None:
+        self.history = list(state.get("history", []))
+        # a clone or a rolled-back env talks to its own workspace: fresh clients, lazily
+        self._x, self._input = None, None
+
+    # observations and helpers -----------------------------------------------------------
+    @property
+    def last_action(self) -> str | None:
+        """The last action if it was WAIT/FAIL/DONE (as a string), else None."""
+        return self._special(self.history[-1]) if self.history else None
+
+    def _client(self) -> desktop.DesktopClient:
+        if self._input is None or self._input.ws is not self.workspace:
+            self._input = desktop.DesktopClient(self.workspace)
+        return self._input
+
+    def screenshot(self) -> np.ndarray:
+        """The screen now, as an RGB uint8 array (read from the X socket)."""
+        path = desktop.sock_path(self.workspace, desktop.X_SOCKET)
+        if self._x is None or self._x.path != path:
+            if self._x is not None:
+                self._x.close()
+            self._x = XScreen(path)
+        return self._x.capture()
+
+    def accessibility_tree(self) -> str:
+        """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer)."""
+        res = self.workspace.exec(["python3", f"{desktop.OPT}/a11y_dump.py"], user=desktop.USER,
+                                  env=desktop.DESKTOP_ENV, timeout=30)
+        return res.text
+
+    def terminal_output(self) -> str:
+        """What the terminal shows: its transcript, escape sequences removed (last 16 kB)."""
+        try:
+            raw = self.workspace.read_file(desktop.TERMINAL_LOG)
+        except Exception:  # noqa: BLE001 - no terminal
+            return ""
+        return desktop.terminal_text(raw[-65536:])
+
+    def workspace_spawn(self, cmd: str | list[str]) -> int:
+        """Start a program in the desktop session (config ``launch``/``open``)."""
+        return desktop.session_spawn(self.workspace, cmd, log=f"{desktop.STATE}/apps.log")
+
+    def oracle(self) -> list:
+        """The current task's scripted solution (pyautogui actions)."""
+        if self.task is None or not self.task.oracle():
+            raise TaskError(f"task {self.task.id if self.task else None} has no oracle")
+        return list(self.task.oracle())
+
+
+def shipped_task_ids() -> list[str]:
+    return list(tasks.task_paths())
+

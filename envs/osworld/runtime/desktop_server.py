@@ -1,0 +1,182 @@
+"""In-workspace input server of a bunshin desktop: runs actions against the workspace display.
+
+Started at boot as user ``user`` with ``DISPLAY=:0``; listens on the unix socket
+``/tmp/.bunshin/desktop.sock``. It holds one X connection (through the ``pyautogui`` module,
+bunshin's python-xlib implementation), so an action costs a socket round trip plus the X
+requests, not a process start. Framing as the workspace agent: a 4-byte big-endian header
+length, a JSON header, then the blobs whose lengths the header lists under ``"_blobs"``.
+
+Requests (one reply each; a failed action answers ``{"error": ...}`` and the server goes on):
+    {"op": "ping"}
+    {"op": "pyautogui", "code": "pyautogui.click(10, 20)", "timeout": 30}
+    {"op": "computer_13", "action": {"action_type": "CLICK", "x": 10, "y": 20}}
+    {"op": "screenshot"}  -> blob: BGRX pixels of the whole screen (fallback path)
+
+Standard library + python3-xlib only. The host side drops its connection before every
+snapshot, so nothing here outlives a request across a CRIU dump but the X connection
+(which is inside the workspace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pyautogui  # noqa: E402 - bunshin's shim, installed beside this file and in dist-packages
+
+SOCKET_PATH = "/tmp/.bunshin/desktop.sock"
+_LEN = struct.Struct("!I")
+
+
+class ActionTimeout(Exception):
+    pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("closed")
+        got += k
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket) -> tuple[dict, list[bytes]]:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    header = json.loads(_recv_exact(sock, n))
+    return header, [_recv_exact(sock, size) for size in header.pop("_blobs", [])]
+
+
+def send_msg(sock: socket.socket, header: dict, blobs: list[bytes] = ()) -> None:
+    raw = json.dumps(dict(header, _blobs=[len(b) for b in blobs])).encode()
+    sock.sendall(_LEN.pack(len(raw)) + raw + b"".join(blobs))
+
+
+def _alarm(signum, frame):
+    raise ActionTimeout("the action ran past its time limit")
+
+
+def _opt(action: dict, key: str, default=None):
+    v = action.get(key, default)
+    return default if v is None else v
+
+
+def run_computer_13(action: dict) -> None:
+    """One OSWorld computer_13 action (already checked for shape on the host)."""
+    kind = action["action_type"]
+    x, y = action.get("x"), action.get("y")
+    button = _opt(action, "button", "left")
+    if kind == "MOVE_TO":
+        pyautogui.moveTo(x, y)
+    elif kind == "CLICK":
+        pyautogui.click(x, y, clicks=int(_opt(action, "num_clicks", 1)), button=button)
+    elif kind == "MOUSE_DOWN":
+        pyautogui.mouseDown(button=button)
+    elif kind == "MOUSE_UP":
+        pyautogui.mouseUp(button=button)
+    elif kind == "RIGHT_CLICK":
+        pyautogui.rightClick(x, y)
+    elif kind == "DOUBLE_CLICK":
+        pyautogui.doubleClick(x, y)
+    elif kind == "DRAG_TO":
+        pyautogui.dragTo(x, y, duration=0.3, button="left")
+    elif kind == "SCROLL":
+        if action.get("dx"):
+            pyautogui.hscroll(int(action["dx"]))
+        if action.get("dy"):
+            pyautogui.vscroll(int(action["dy"]))
+    elif kind == "TYPING":
+        pyautogui.write(action["text"])
+    elif kind == "PRESS":
+        pyautogui.press(action["key"])
+    elif kind == "KEY_DOWN":
+        pyautogui.keyDown(action["key"])
+    elif kind == "KEY_UP":
+        pyautogui.keyUp(action["key"])
+    elif kind == "HOTKEY":
+        pyautogui.hotkey(*action["keys"])
+    else:
+        raise ValueError(f"unknown action_type {kind!r}")
+
+
+def run_code(code: str) -> str:
+    out = io.StringIO()
+    scope = {"__name__": "__bunshin_action__", "pyautogui": pyautogui}
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        exec(compile(code, "<action>", "exec"), scope)  # noqa: S102 - running the agent's code is the point
+    return out.getvalue()[-8192:]
+
+
+def handle(req: dict) -> tuple[dict, list[bytes]]:
+    op = req.get("op")
+    if op == "ping":
+        return {"pid": os.getpid()}, []
+    if op == "screenshot":
+        from Xlib import X
+
+        d = pyautogui._d()
+        w, h = pyautogui.size()
+        raw = d.screen().root.get_image(0, 0, w, h, X.ZPixmap, 0xFFFFFFFF)
+        return {"width": w, "height": h}, [bytes(raw.data)]
+    if op not in ("pyautogui", "computer_13"):
+        return {"error": f"unknown operation {op!r}"}, []
+    signal.setitimer(signal.ITIMER_REAL, float(req.get("timeout") or 60))
+    t0 = time.monotonic()
+    try:
+        output = run_code(req["code"]) if op == "pyautogui" else (run_computer_13(req["action"]) or "")
+        reply = {"output": output}
+    except SystemExit as e:
+        reply = {"output": "", "error": f"SystemExit: {e.code}"}
+    except BaseException as e:  # noqa: BLE001 - any failure of the action is reported, the server goes on
+        tb = traceback.extract_tb(e.__traceback__)
+        where = next((f" (line {f.lineno})" for f in reversed(tb) if f.filename == "<action>"), "")
+        reply = {"error": f"{type(e).__name__}: {e}{where}"}
+        if not isinstance(e, (ActionTimeout, pyautogui.PyAutoGUIException, ValueError, TypeError,
+                              NameError, SyntaxError, KeyError, AttributeError, IndexError, ZeroDivisionError)):
+            pyautogui._reset_display()  # an X error may leave the connection unusable
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        # release anything the action left pressed only when asked; OSWorld leaves that to the agent
+    reply["duration"] = time.monotonic() - t0
+    return reply, []
+
+
+def main() -> None:
+    os.makedirs(os.path.dirname(SOCKET_PATH), exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SOCKET_PATH)
+    signal.signal(signal.SIGALRM, _alarm)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(SOCKET_PATH)  # bound under its final name: CRIU re-binds a restored socket by that name
+    os.chmod(SOCKET_PATH, 0o666)
+    srv.listen(8)
+    print(f"bunshin desktop server {os.getpid()} on {SOCKET_PATH}", file=sys.stderr, flush=True)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            while True:
+                try:
+                    req, _blobs = recv_msg(conn)
+                except (ConnectionError, OSError, ValueError):
+                    break
+                reply, blobs = handle(req)
+                try:
+                    send_msg(conn, reply, blobs)
+                except OSError:
+                    break
+
+
+if __name__ == "__main__":
+    main()
