@@ -275,3 +275,74 @@ def test_fork_close_cycles_leak_nothing():
 @pytest.mark.slow
 def test_100_fork_close_cycles_leak_nothing():
     _cycles(100)
+
+
+def _osworld_image() -> bool:
+    from bunshin_gym.workspace import ImageStore
+
+    try:
+        ImageStore().get("osworld")
+        return True
+    except Exception:  # noqa: BLE001 - no image, no test
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _osworld_image(), reason="the osworld (desktop) image is not built")
+def test_chromium_in_a_desktop_clone_survives_five_minutes_of_activity():
+    """Chromium's PartitionAlloc relies on dropped memory reading zeros (it aborts ~20 s after
+    activity when it does not): a clone of a desktop keeps a page allocating and freeing,
+    and opens and closes tabs, for five minutes; the browser must stay up and answer."""
+    import json
+    import sys
+    import urllib.parse
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from envs.osworld import desktop
+
+    page = ("data:text/html,<title>soak</title><script>let k=0;setInterval(()=>{let a=[];for(let i=0;i<200000;i++)"
+            "a.push({x:i,s:'y'.repeat(64)+i});k+=a.length;document.title='soak '+k;a=null},150)</script>")
+
+    def cdp(w: Workspace, path: str, method: str = "GET") -> str | None:
+        code = ("import sys,urllib.request;sys.stdout.write(urllib.request.urlopen(urllib.request.Request("
+                f"'http://127.0.0.1:9222{path}', method='{method}'), timeout=10).read().decode())")
+        r = w.exec(["python3", "-c", code], user=desktop.USER, timeout=20)
+        return r.text if r.ok else None
+
+    ws = Workspace.create("osworld", memory_mode="share")
+    clone = snap = None
+    try:
+        desktop.boot_desktop(ws, 1280, 800, terminal=False)
+        desktop.session_spawn(ws, ["chromium", "about:blank"], log="/tmp/.bunshin/chromium.log")
+        assert desktop.wait_window(ws, "Chromium", 90)
+        deadline = time.monotonic() + 60
+        while cdp(ws, "/json/version") is None:
+            assert time.monotonic() < deadline, "chromium's DevTools port never answered"
+            time.sleep(1)
+        assert cdp(ws, "/json/new?" + urllib.parse.quote(page, safe=""), "PUT")
+        time.sleep(10)
+        snap = ws.snapshot()
+        (clone,) = snap.fork(1)
+        browser = clone.exec("pgrep -o -f /usr/lib/chromium/chromium").text.strip()
+        t0, i = time.monotonic(), 0
+        while time.monotonic() - t0 < 300:
+            i += 1
+            if i % 3 == 0:
+                assert cdp(clone, "/json/new?" + urllib.parse.quote(page, safe=""), "PUT"), "chromium stopped answering"
+            if i % 6 == 0:
+                pages = [t for t in json.loads(cdp(clone, "/json/list") or "[]") if t.get("type") == "page"]
+                for t in pages[:-3]:
+                    cdp(clone, f"/json/close/{t['id']}")
+            assert clone.exec("pgrep -o -f /usr/lib/chromium/chromium").text.strip() == browser, "the browser died"
+            time.sleep(5)
+        titles = [t.get("title", "") for t in json.loads(cdp(clone, "/json/list") or "[]") if t.get("type") == "page"]
+        assert any(t.startswith("soak ") for t in titles), titles
+        st = uffd.stats(clone.id)
+        print(f"\nchromium clone after 5 min: monitor {st}")
+        assert st["remove"] > 0 and st["zeropage"] > 0 and st["errors"] == 0
+    finally:
+        if clone is not None:
+            clone.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()
