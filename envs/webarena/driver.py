@@ -1,0 +1,259 @@
+"""The in-workspace browser driver: a long-lived process holding a playwright browser.
+
+Runs inside a web workspace with the image's python3 (playwright installed, Debian's
+chromium), started by ``WebArenaEnv.boot``, so the boot snapshot holds it with its browser
+and page. It serves one controller connection at a time on a unix socket
+(``/run/bunshin/web.sock``) with the workspace agent's framing (imported from
+``/.bunshin/agent.py``): a request is a JSON header (``op`` and arguments), a reply a JSON
+header (``error`` on failure) plus blobs (a screenshot). The controller closes its
+connection before every snapshot; the driver then goes back to ``accept``.
+
+Everything stays CRIU-dumpable: playwright talks to its node driver and node to chromium
+over pipes inside the workspace, and the workspace's PID 1 keeps io_uring out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+sys.path.insert(0, "/.bunshin")
+from agent import ProtocolError, recv_msg, send_msg  # noqa: E402  (the workspace agent's framing)
+from playwright.sync_api import Error as PlaywrightError  # noqa: E402
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic", "--disable-default-apps",
+    "--disable-extensions", "--no-default-browser-check", "--disable-breakpad", "--disable-crash-reporter",
+    "--password-store=basic", "--use-mock-keychain", "--force-renderer-accessibility",
+    "--disable-features=Translate,MediaRouter,OptimizationHints,OptimizationGuideModelDownloading,"
+    "AutofillServerCommunication,OnDeviceModelPerformanceParams",
+]
+KEYS = {"ctrl": "Control", "control": "Control", "cmd": "Meta", "meta": "Meta", "alt": "Alt", "shift": "Shift",
+        "enter": "Enter", "return": "Enter", "esc": "Escape", "escape": "Escape", "tab": "Tab", "space": "Space",
+        "backspace": "Backspace", "delete": "Delete", "del": "Delete", "up": "ArrowUp", "down": "ArrowDown",
+        "left": "ArrowLeft", "right": "ArrowRight", "pageup": "PageUp", "pagedown": "PageDown", "home": "Home",
+        "end": "End"}
+
+
+class Driver:
+    def __init__(self, chromium: str, width: int, height: int, timeout_ms: int):
+        self.pw = sync_playwright().start()
+        self.browser = self.pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        self.viewport = {"width": width, "height": height}
+        self.timeout_ms = timeout_ms
+        self.context = None
+        self.active = 0
+        self._new_context(None)
+        self.page.goto("about:blank")
+
+    # pages -----------------------------------------------------------------------------
+    def _new_context(self, storage_state: str | None) -> None:
+        if self.context is not None:
+            self.context.close()
+        self.context = self.browser.new_context(viewport=self.viewport, storage_state=storage_state)
+        self.context.set_default_timeout(self.timeout_ms)
+        self.context.set_default_navigation_timeout(max(self.timeout_ms, 15000))
+        self.context.new_page()
+        self.active = 0
+
+    @property
+    def page(self):
+        pages = self.context.pages
+        if not pages:
+            self.context.new_page()
+            pages = self.context.pages
+        self.active = min(self.active, len(pages) - 1)
+        return pages[self.active]
+
+    def _settle(self, before: int) -> None:
+        """After an action: follow a tab it opened, wait for the page to load."""
+        pages = self.context.pages
+        if len(pages) > before:
+            self.active = len(pages) - 1
+        try:
+            self.page.wait_for_load_state("load", timeout=10000)
+        except PlaywrightError:
+            pass
+
+    # operations ------------------------------------------------------------------------
+    def op_ping(self, req: dict) -> tuple[dict, list]:
+        return {"pid": os.getpid(), "pages": len(self.context.pages)}, []
+
+    def op_setup(self, req: dict) -> tuple[dict, list]:
+        """A fresh browser context (cookies from a storage state file) with one tab per URL."""
+        self._new_context(req.get("storage_state"))
+        for i, url in enumerate(req.get("urls") or ["about:blank"]):
+            page = self.context.pages[0] if i == 0 else self.context.new_page()
+            page.goto(url)
+        self.active = 0
+        self.page.bring_to_front()
+        return {}, []
+
+    def op_observe(self, req: dict) -> tuple[dict, list]:
+        page = self.page
+        aria = ""
+        for attempt in range(4):
+            try:
+                aria = page.aria_snapshot(mode="ai")
+                break
+            except PlaywrightError:
+                if attempt == 3:
+                    raise
+                try:
+                    page.wait_for_load_state("load", timeout=5000)
+                except PlaywrightError:
+                    time.sleep(0.2)
+        tabs = []
+        for p in self.context.pages:
+            try:
+                title = p.title()
+            except PlaywrightError:
+                title = ""
+            tabs.append({"title": title, "url": p.url})
+        blobs = [page.screenshot(type="png")] if req.get("screenshot") else []
+        return {"url": page.url, "aria": aria, "tabs": tabs, "active": self.active}, blobs
+
+    def op_act(self, req: dict) -> tuple[dict, list]:
+        kind = req["kind"]
+        page = self.page
+        before = len(self.context.pages)
+        target = page.locator(f"aria-ref={req['ref']}") if req.get("ref") else None
+        if kind == "click":
+            target.click()
+        elif kind == "hover":
+            target.hover()
+        elif kind == "select":
+            target.select_option(label=req["option"])
+        elif kind == "type":
+            text = req["text"]
+            role = req.get("role", "")
+            if role in ("combobox", "listbox") and target.evaluate("e => e.tagName") == "SELECT":
+                target.select_option(label=text)
+            else:
+                try:
+                    target.fill(text)
+                except PlaywrightError as e:
+                    if "not an <input>" not in str(e):
+                        raise
+                    target.click()
+                    page.keyboard.type(text)
+            if req.get("enter"):
+                target.press("Enter")
+        elif kind == "press":
+            page.keyboard.press(_key_combo(req["key"]))
+        elif kind == "scroll":
+            dy = self.viewport["height"] * (1 if req["direction"] == "down" else -1)
+            page.mouse.wheel(0, dy)
+            time.sleep(0.1)
+        elif kind == "new_tab":
+            self.context.new_page()
+            self.active = len(self.context.pages) - 1
+        elif kind == "tab_focus":
+            index = int(req["index"])
+            if not 0 <= index < len(self.context.pages):
+                raise ValueError(f"there is no tab {index} (open tabs: 0-{len(self.context.pages) - 1})")
+            self.active = index
+            self.page.bring_to_front()
+        elif kind == "close_tab":
+            page.close()
+            if not self.context.pages:
+                self.context.new_page()
+            self.active = len(self.context.pages) - 1
+            self.page.bring_to_front()
+            return {}, []
+        elif kind == "goto":
+            page.goto(req["url"])
+        elif kind == "go_back":
+            page.go_back()
+        elif kind == "go_forward":
+            page.go_forward()
+        else:
+            raise ValueError(f"unknown action kind {kind!r}")
+        self._settle(before)
+        return {}, []
+
+    def op_evaluate(self, req: dict) -> tuple[dict, list]:
+        """Evaluate a JS expression (``js``) or take the HTML (no ``js``) of the active page or,
+        with ``url``, of that URL loaded in a temporary tab (the agent's tabs are untouched)."""
+        url = req.get("url")
+        page = self.context.new_page() if url else self.page
+        try:
+            if url:
+                page.goto(url)
+            if req.get("js"):
+                value = page.evaluate(f"() => {req['js']}")
+                text = "" if value is None else (value if isinstance(value, str) else json.dumps(value))
+            else:
+                text = page.content()
+        finally:
+            if url:
+                page.close()
+        return {"value": text, "url": page.url}, []
+
+
+def _key_combo(combo: str) -> str:
+    parts = [p.strip() for p in combo.replace(" ", "").split("+") if p.strip()]
+    return "+".join(KEYS.get(p.lower(), p if len(p) > 1 else p) for p in parts)
+
+
+def serve(driver: Driver, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    # bound at its final name: CRIU re-binds a restored socket at the name it was bound to
+    srv.bind(path)
+    os.chmod(path, 0o600)
+    srv.listen(4)
+    print(f"bunshin web driver {os.getpid()} on {path}", file=sys.stderr, flush=True)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            while True:
+                try:
+                    req, _blobs = recv_msg(conn)
+                except (ProtocolError, OSError, ValueError):
+                    break
+                fn = getattr(driver, "op_" + str(req.get("op")), None)
+                try:
+                    if fn is None:
+                        raise ValueError(f"unknown operation {req.get('op')!r}")
+                    reply, out = fn(req)
+                except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
+                    if not isinstance(e, (PlaywrightError, ValueError, KeyError)):
+                        traceback.print_exc()
+                    reply, out = {"error": f"{type(e).__name__}: {_first_line(e)}"}, []
+                try:
+                    send_msg(conn, reply, out)
+                except OSError:
+                    break
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    head = text.split("\nCall log:")[0].strip()
+    return head[:600]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", default="/run/bunshin/web.sock")
+    ap.add_argument("--chromium", default="/usr/lib/chromium/chromium")
+    ap.add_argument("--width", type=int, default=1280)
+    ap.add_argument("--height", type=int, default=720)
+    ap.add_argument("--timeout-ms", type=int, default=5000)
+    args = ap.parse_args()
+    serve(Driver(args.chromium, args.width, args.height, args.timeout_ms), args.socket)
+
+
+if __name__ == "__main__":
+    main()
