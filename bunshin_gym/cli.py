@@ -131,6 +131,12 @@ def _cmd_bench(args) -> int:
 
         workspace.run(args.json)
         return 0
+    if args.name == "rollout":
+        from bunshin_gym.bench import rollout
+
+        rollout.run(args.json, epochs=args.epochs, group=args.group,
+                    plot=args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None))
+        return 0
     if args.name == "fork":
         from bunshin_gym.bench import fork
 
@@ -191,13 +197,15 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default="1,2,4,8,16", help="fork: clone counts")
     be.add_argument("--modes", default="copy,ksm,share,map-anon", help="fork: memory modes")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
-    be.add_argument("--plot", default=None, help="fork: PNG path (default: next to the JSON)")
+    be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
+    be.add_argument("--epochs", type=int, default=3, help="rollout: epochs per mode")
+    be.add_argument("--group", type=int, default=4, help="rollout: GRPO group size G")
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
