@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bunshin_gym.bench.report import summary, table, write
-from bunshin_gym.workspace import Workspace
-from bunshin_gym.workspace.memory import SHARE_ANON_MECHANISM, MemoryMode, ksmd_cpu_seconds
+from bunshin_gym.workspace import Workspace, uffd
+from bunshin_gym.workspace.memory import MemoryMode, ksmd_cpu_seconds, share_anon_mechanism
 from bunshin_gym.workspace.memstat import group_memory, used_memory
 
 HEAP_PROGRAM = r"""
@@ -80,7 +80,7 @@ def activity(ws: Workspace) -> None:
 
 def _ksm_settle(mode: MemoryMode) -> float:
     """Let ksmd finish its passes (KSM modes only); returns seconds waited."""
-    if not (mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and SHARE_ANON_MECHANISM == "ksm")):
+    if not (mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and share_anon_mechanism() == "ksm")):
         return 0.0
     t0, last = time.monotonic(), -1
     full = Path("/sys/kernel/mm/ksm/full_scans")
@@ -97,9 +97,10 @@ def _ksm_settle(mode: MemoryMode) -> float:
 def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300, procs: int = 3,
         counts: tuple[int, ...] = (1, 2, 4, 8, 16), modes: tuple[str, ...] = ("copy", "ksm", "share", "map-anon"),
         plot: str | None = None) -> dict:
+    mechanism = share_anon_mechanism()
     print(f"bench fork: image {image!r}, {heap_mb} MB heap in {procs} processes; modes {', '.join(modes)}; "
-          f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {SHARE_ANON_MECHANISM}")
-    results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": SHARE_ANON_MECHANISM, "modes": {}}
+          f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {mechanism}")
+    results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
     for mode in map(MemoryMode.parse, modes):
         src = make_source(image, heap_mb, procs)
         try:
@@ -128,12 +129,15 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                         "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
                         "after_restore": after_restore.as_mb(), "after_activity": after_activity.as_mb(),
                         "ksm_settle_s": settle, "ksmd_cpu_s": round(ksmd_cpu_seconds() - ksm0, 2),
+                        "monitor_cpu_s": round(uffd.cpu_seconds([c.id for c in clones]), 3),
+                        "uffd_images_mb": round(_tree_bytes(uffd.images_root()) / 2**20, 1),
                     }
                     if n == counts[0]:
                         row.update(_delta_and_rollback(clones[0]))
                     mres["by_n"][str(n)] = row
                     print(f"fan-out {fanout:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
-                          f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s")
+                          f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s  "
+                          f"monitor {row['monitor_cpu_s']} s")
                 finally:
                     for c in clones:
                         c.close()
@@ -146,6 +150,13 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
         _plot(results, counts, plot)
         results["plot"] = plot
     return write("fork", results, json_path)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes allocated by the files under ``path`` (sparse files count what they hold)."""
+    if not path.exists():
+        return 0
+    return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
 
 
 def _delta_and_rollback(clone: Workspace) -> dict:
@@ -177,11 +188,12 @@ def _summarise(res: dict, counts: tuple[int, ...]) -> None:
             mode, row["after_restore"]["unique"], row["after_activity"]["unique"], row["after_activity"]["pss"],
             row["peak_during_fork_mb"], row["fanout_s"], row["per_clone_restore_s"],
             m["first_snapshot"]["frozen_ms"], first["delta_snapshot"]["frozen_ms"], first["rollback"]["median_ms"],
-            row["ksmd_cpu_s"],
+            row["ksmd_cpu_s"], row["monitor_cpu_s"],
         ])
-    print(f"\nat n = {n_max} clones of a {res['heap_mb']} MB-heap workspace (memory in MB, times as named):")
+    print(f"\nat n = {n_max} clones of a {res['heap_mb']} MB-heap workspace (memory in MB, times as named; "
+          f"share's anonymous memory via {res['share_anon_mechanism']}):")
     print(table(rows, ["mode", "uniq@restore", "uniq@activity", "pss@activity", "peak", "fan-out s",
-                       "s/clone", "frozen 1st ms", "frozen delta ms", "rollback ms", "ksmd s"]))
+                       "s/clone", "frozen 1st ms", "frozen delta ms", "rollback ms", "ksmd s", "monitor s"]))
     if "copy" in modes:
         copy_mem = modes["copy"]["by_n"][n_max]["after_activity"]["unique"]
         res["ratio_vs_copy"] = {mode: round(m["by_n"][n_max]["after_activity"]["unique"] / copy_mem, 3)
