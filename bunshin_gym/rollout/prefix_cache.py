@@ -66,6 +66,13 @@ class Node:
     children: dict[str, Node] = field(default_factory=dict)
     parent: Node | None = field(default=None, repr=False)
     hits: int = 0
+    inflight: threading.Event | None = field(default=None, repr=False)  # set when the first run is done
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "inflight"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, inflight=None)
 
     def path(self) -> list[Node]:
         out, n = [], self
@@ -116,6 +123,27 @@ class PrefixTree:
             if key not in self.roots:
                 self.roots[key] = Node(sig="", action=None, depth=0)
             return self.roots[key]
+
+    def claim(self, parent: Node, sig: str, action: Any) -> tuple[Node, bool]:
+        """The child for ``sig``, and whether the caller must execute it: the first caller of a
+        new call claims it; concurrent callers (members of a group issuing the same call at the
+        same time) wait for its result instead of running it again."""
+        with self.lock:
+            child = parent.children.get(sig)
+            if child is not None and (child.result or child.inflight is not None):
+                return child, False
+            if child is None:
+                child = Node(sig, copy.deepcopy(action), parent.depth + 1, parent=parent)
+                parent.children[sig] = child
+            child.inflight = threading.Event()
+            return child, True
+
+    def release(self, node: Node) -> None:
+        """End a claim (its result recorded, or the run failed and waiters execute themselves)."""
+        with self.lock:
+            event, node.inflight = node.inflight, None
+        if event is not None:
+            event.set()
 
     def add(self, parent: Node, sig: str, action: Any, result: tuple, duration: float) -> Node:
         with self.lock:
@@ -270,19 +298,31 @@ class PrefixCacheWrapper(BunshinWrapper):
         if self.node is None:
             raise gym.error.ResetNeeded("call reset() before step()")
         sig = signature(action, self.env)
-        child = self.node.children.get(sig)
-        if child is not None and child.result:
-            child.hits += 1
-            self.node = child
-            self.cache.count(hits=1)
-            self.cache.residency.touch(child)
-            obs, reward, term, trunc, info = child.load_result()
-            info = dict(info, cache="hit")
-            _inner_call(self.env, "skip_call", sig)
-            self._log(child, "cache")
-            if self.env.unwrapped.materialized and not (term or trunc):
-                self._background(self._materialize)  # replay during think time; keeps the fork warm
-            return obs, reward, term, trunc, info
+        child, mine = self.cache.tree.claim(self.node, sig, action)
+        if not mine and child.inflight is not None:
+            child.inflight.wait()  # another member runs this very call now: wait for its result
+        if not mine and child.result:
+            return self._hit(child, sig)
+        try:
+            return self._execute(action, sig)
+        finally:
+            if mine:
+                self.cache.tree.release(child)
+
+    def _hit(self, child: Node, sig: str) -> tuple:
+        child.hits += 1
+        self.node = child
+        self.cache.count(hits=1)
+        self.cache.residency.touch(child)
+        obs, reward, term, trunc, info = child.load_result()
+        info = dict(info, cache="hit")
+        _inner_call(self.env, "skip_call", sig)
+        self._log(child, "cache")
+        if self.env.unwrapped.materialized and not (term or trunc):
+            self._background(self._materialize)  # replay during think time; keeps the fork warm
+        return obs, reward, term, trunc, info
+
+    def _execute(self, action: Any, sig: str) -> tuple:
         self._materialize()
         _inner_call(self.env, "set_cached", set())
         t0 = time.perf_counter()

@@ -1,0 +1,116 @@
+"""PrefixCache on real workspaces: hits serve recorded results without executing, misses
+restore the deepest snapshot and replay, and the tree persists across processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import gymnasium as gym
+import pytest
+
+import bunshin_gym  # noqa: F401
+from bunshin_gym.rollout import PrefixCache
+
+APPEND = "echo x >> /home/user/calls.txt; wc -l < /home/user/calls.txt"
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = PrefixCache(tmp_path / "cache", snapshot_every=1)
+    yield c
+    c.clear()
+
+
+def test_a_hit_returns_the_recorded_result_without_executing(cache):
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        obs1, _, _, _, info1 = env.step(APPEND)
+        assert info1["cache"] == "miss" and obs1["output"] == "1\n"
+        env.reset(options={"task": "shell/make-dir"})
+        obs2, _, _, _, info2 = env.step("echo x  >>  /home/user/calls.txt;   wc -l < /home/user/calls.txt")
+        assert info2["cache"] == "hit" and obs2 == obs1  # same signature: whitespace-normalised
+        # the live workspace, brought to the episode's position, ran the call exactly once
+        assert env.workspace.exec("cat /home/user/calls.txt").text == "x\n"
+        assert cache.stats.hits == 1 and cache.stats.misses == 1
+    finally:
+        env.close()
+
+
+def test_members_served_only_from_the_cache_never_fork(cache):
+    actions = ["ls /data", "ls /data | wc -l > answer.txt", "DONE"]
+    policy = lambda i, obs, hist: actions[len(hist)]  # noqa: E731
+    for _epoch in range(2):
+        envs = gym.make_vec("Bunshin-Shell-v0", num_envs=3, vectorization_mode="vector_entry_point", cache=cache)
+        try:
+            trajs = envs.run_group(policy, options={"task": "shell/count-files"})
+            assert [t.reward for t in trajs] == [1.0, 1.0, 1.0]
+            materialized = [m.unwrapped.materialized for m in envs.members]
+        finally:
+            envs.close()
+    assert materialized == [False, False, False]  # epoch 2: all hits, no writable fork created
+    # members issuing the same call at once wait for one run of it: 3 executions in all
+    assert cache.stats.misses == 3 and cache.stats.hits == 18 - 3
+
+
+def test_a_miss_after_hits_restores_the_deepest_snapshot_and_replays(cache):
+    plain = gym.make("Bunshin-Shell-v0")
+    cached = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        common = [APPEND, APPEND, APPEND]
+        for env in (plain, cached):
+            env.reset(options={"task": "shell/make-dir"})
+            for a in common:
+                env.step(a)
+        cached.reset(options={"task": "shell/make-dir"})
+        plain.reset(options={"task": "shell/make-dir"})
+        outs = []
+        for env in (plain, cached):
+            for a in common:
+                env.step(a)
+            outs.append(env.step("cat /home/user/calls.txt; echo end")[0])
+        assert outs[0] == outs[1] and outs[1]["output"] == "x\nx\nx\nend\n"
+        assert cache.stats.restores + cache.stats.replays >= 1
+    finally:
+        plain.close()
+        cached.close()
+
+
+def test_hits_are_valid_only_for_the_same_task_definition(cache):
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        task = {"id": "shell/custom", "instruction": "x", "setup": ["echo one > /home/user/f"],
+                "check": "true", "max_steps": 3}
+        env.reset(options={"task": task})
+        assert env.step("cat /home/user/f")[0]["output"] == "one\n"
+        env.reset(options={"task": dict(task, setup=["echo two > /home/user/f"])})
+        obs, _, _, _, info = env.step("cat /home/user/f")
+        assert info["cache"] == "miss" and obs["output"] == "two\n"
+        env.reset(options={"task": "shell/make-dir"})
+        assert env.step("cat /home/user/f")[4]["cache"] == "miss"
+    finally:
+        env.close()
+
+
+def test_the_tree_persists_across_processes(cache, tmp_path):
+    script = textwrap.dedent(f"""
+        import gymnasium as gym, bunshin_gym
+        from bunshin_gym.rollout import PrefixCache
+        cache = PrefixCache({str(cache.tree.dir)!r}, snapshot_every=1)
+        env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+        env.reset(options={{"task": "shell/make-dir"}})
+        env.step("echo from-another-process")
+        env.close()
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    again = PrefixCache(cache.tree.dir, snapshot_every=1)
+    env = again.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        obs, _, _, _, info = env.step("echo from-another-process")
+        assert info["cache"] == "hit" and obs["output"] == "from-another-process\n"
+    finally:
+        env.close()
+        again.clear()
