@@ -41,8 +41,11 @@ if TYPE_CHECKING:
 #: snapshot chains deeper than this are dumped flat (BUNSHIN_MAX_SNAPSHOT_DEPTH)
 MAX_DEPTH = int(os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8"))
 
+#: ``--skip-in-flight``: a TCP connection still in a listening socket's accept queue cannot be
+#: dumped ("In-flight connection"); it is dropped instead (its client sees a reset). Chromium's
+#: speculative preconnects to a workspace's web server hit this often.
 DUMP_FLAGS = [
-    "--leave-running", "--tcp-established", "--network-lock", "nftables", "--file-locks",
+    "--leave-running", "--tcp-established", "--skip-in-flight", "--network-lock", "nftables", "--file-locks",
     "--ghost-limit", "256M", "--irmap-scan-path", "/usr/share/zoneinfo",
     "--external", "mnt[/.snap]:snap", "--manage-cgroups=ignore",
 ]
