@@ -89,14 +89,18 @@ def listing(title: str, heading: str, query: Query, rows: list, total: int, face
             intro: str = "", path_args: dict | None = None) -> tuple[str, str]:
     path_args = path_args or {}
 
+    page_cat = path_args.get("cat")
+
     def url(**change) -> str:
         args = {"q": query.q, "cat": query.category, "price": query.price, "rating": query.rating or "",
                 "brand": query.brand, "product_list_order": query.order if query.order != "relevance" else "",
                 "p": query.page if query.page > 1 else ""}
-        args.update(path_args)
         args.update(change)
+        base = base_path
+        if page_cat is not None:  # on a category page the category is the path itself
+            base = f"/{args.pop('cat', '') or page_cat}.html"
         clean = {k: v for k, v in args.items() if v not in ("", None, 0)}
-        return base_path + ("?" + urlencode(clean) if clean else "")
+        return base + ("?" + urlencode(clean) if clean else "")
 
     side = ['<aside aria-label="Shop By"><h2>Shop By</h2>']
     active = [(name, label) for name, label in (("q", ""), ("cat", query.category), ("price", query.price),
