@@ -103,15 +103,17 @@ def compare_text_file(result: str | None, expected: str | None, **options: Any) 
 
 @metric
 def compare_csv(result: str | None, expected: str | None, **options: Any) -> float:
-    """Two CSV files have the same lines (trailing newlines ignored)."""
+    """Two CSV files hold the same rows (parsed: quoting and line endings do not matter;
+    ``strict=False`` also ignores case and surrounding spaces in cells)."""
     a, b = _read_text(result), _read_text(expected)
     if a is None or b is None:
         return 0.0
-    la = [ln.rstrip("\r") for ln in a.strip("\n").split("\n")]
-    lb = [ln.rstrip("\r") for ln in b.strip("\n").split("\n")]
-    if options.get("strict", True):
-        return float(la == lb)
-    return float([ln.strip().lower() for ln in la] == [ln.strip().lower() for ln in lb])
+    ra = [r for r in csv.reader(a.splitlines()) if r]
+    rb = [r for r in csv.reader(b.splitlines()) if r]
+    if not options.get("strict", True):
+        ra = [[c.strip().lower() for c in r] for r in ra]
+        rb = [[c.strip().lower() for c in r] for r in rb]
+    return float(ra == rb)
 
 
 # chromium ----------------------------------------------------------------------------------

@@ -141,7 +141,11 @@ def step_download(env: Any, p: dict) -> None:
         if not url or not path:
             raise TaskError(f"download: a file entry needs url and path, got {f!r}")
         src = env.cache.resolve(url, path, env.task.id if env.task else "")
-        env.workspace.write_file(_home_path(path), src.read_bytes(), owner=desktop.USER)
+        target = _home_path(path)
+        parent = str(Path(target).parent)
+        if parent.startswith(desktop.HOME):  # folders the user can write into, as a download makes
+            env.workspace.exec(["mkdir", "-p", parent], user=desktop.USER, check=True)
+        env.workspace.write_file(target, src.read_bytes(), owner=desktop.USER)
 
 
 def _cdp(env: Any, path: str, timeout: float = 10.0) -> Any:
@@ -303,10 +307,18 @@ def get_open_tabs_info(env: Any, c: dict) -> list | None:
 
 
 def get_active_tab_info(env: Any, c: dict) -> dict | None:
+    """The active tab: the page whose title the chromium window shows (else the newest)."""
     pages = _pages(env)
     if not pages:
         return None
-    return {"title": pages[0].get("title", ""), "url": pages[0].get("url", "")}
+    titles = [t for cls, t in desktop.windows(env.workspace) or [] if "chromium" in cls.lower()]
+    active = pages[0]
+    for title in titles:
+        match = [p for p in pages if title in (f"{p.get('title')} - Chromium", p.get("title"))]
+        if match:
+            active = match[0]
+            break
+    return {"title": active.get("title", ""), "url": active.get("url", "")}
 
 
 def get_active_url_from_accessTree(env: Any, c: dict) -> str | None:  # noqa: N802 - OSWorld's name

@@ -113,7 +113,7 @@ def run_computer_13(action: dict) -> None:
 
 def run_code(code: str) -> str:
     out = io.StringIO()
-    scope = {"__name__": "__bunshin_action__", "pyautogui": pyautogui}
+    scope = {"__name__": "__bunshin_action__", "pyautogui": pyautogui, "time": time}
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         exec(compile(code, "<action>", "exec"), scope)  # noqa: S102 - running the agent's code is the point
     return out.getvalue()[-8192:]

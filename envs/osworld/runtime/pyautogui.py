@@ -26,6 +26,9 @@ __all__ = [
 PAUSE = 0.0          # pyautogui's own default is 0.1 s after every call; set it if you need it
 FAILSAFE = False
 MINIMUM_DURATION = 0.1
+#: gap before a key repeats: some toolkits (LibreOffice's) drop a press of the key just released
+#: when both carry the same server timestamp
+REPEAT_GAP = 0.012
 LEFT, MIDDLE, RIGHT, PRIMARY, SECONDARY = "left", "middle", "right", "primary", "secondary"
 
 
@@ -178,13 +181,15 @@ def keyUp(key: str, logScreenshot=None, _pause=True) -> None:  # noqa: N802, N80
 def press(keys, presses: int = 1, interval: float = 0.0, logScreenshot=None, _pause=True) -> None:  # noqa: N803
     if isinstance(keys, str):
         keys = [keys]
-    for _ in range(presses):
+    for i in range(presses):
         for k in keys:
             _key_event(k, True)
             _key_event(k, False)
             _flush()
             if interval:
                 time.sleep(interval)
+            elif i < presses - 1 or len(keys) > 1:
+                time.sleep(REPEAT_GAP)
     _after(_pause)
 
 
@@ -196,6 +201,9 @@ def hotkey(*args, **kwargs) -> None:
         if interval:
             _flush()
             time.sleep(interval)
+    # let clients (a window manager's alt-tab grab) see the presses before the releases
+    _flush()
+    time.sleep(max(interval, 0.02))
     for k in reversed(keys):
         _key_event(k, False)
         if interval:
@@ -206,7 +214,12 @@ def hotkey(*args, **kwargs) -> None:
 
 
 def write(message, interval: float = 0.0, logScreenshot=None, _pause=True) -> None:  # noqa: N803
+    prev = None
     for ch in message:
+        if ch == prev and not interval:
+            _flush()
+            time.sleep(REPEAT_GAP)
+        prev = ch
         _key_event(ch, True)
         _key_event(ch, False)
         if interval:
