@@ -64,6 +64,9 @@ def install_runtime(ws: Any) -> None:
     for name in ("desktop_server.py", "a11y_dump.py", "pyautogui.py", "session_exec.py"):
         ws.write_file(f"{OPT}/{name}", (RUNTIME / name).read_bytes(), mode=0o644)
     ws.write_file(f"{PYTHON_SITE}/pyautogui.py", (RUNTIME / "pyautogui.py").read_bytes(), mode=0o644)
+    # no blinking carets: a screenshot then depends only on the state, not on when it is taken
+    ws.exec(["mkdir", "-p", f"{HOME}/.config/gtk-3.0"], user=USER, check=True)
+    ws.write_file(f"{HOME}/.config/gtk-3.0/settings.ini", "[Settings]\ngtk-cursor-blink = false\n", owner=USER)
 
 
 def session_argv(cmd: str | list[str]) -> list[str]:

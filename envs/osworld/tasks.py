@@ -66,11 +66,13 @@ class FileCache:
             index = d / "index.json"
             if index.exists():
                 rel = json.loads(index.read_text()).get(url)
-                if rel is not None and (d / rel).exists():
+                if rel is not None and (d / rel).is_file():
                     return d / rel
-            name = f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{Path(target_name).name}"
-            for cand in (d / name, d / task_id / name, d / task_id / Path(target_name).name):
-                if cand.exists():
+            base = Path(target_name).name
+            name = f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{base}"
+            cands = [d / name, d / task_id / name] + ([d / task_id / base] if task_id and base else [])
+            for cand in cands:
+                if cand.is_file():
                     return cand
             tried.append(str(d))
         raise TaskError(f"download: url {url!r} is not in the local cache (looked in {', '.join(tried)}); "
