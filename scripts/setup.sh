@@ -2,7 +2,7 @@
 # One-time (idempotent) set-up of a Debian 12 host for bunshin-gym, as root.
 # A second run checks each step and takes seconds.
 #
-#   scripts/setup.sh            host packages, CRIU, venv, btrfs pool, base image
+#   scripts/setup.sh            host packages, CRIU, venv, btrfs pool, default images (base webarena)
 #   BUNSHIN_IMAGES="base osworld" scripts/setup.sh    also build these images
 #
 # Configuration (environment): BUNSHIN_HOME (/var/lib/bunshin), BUNSHIN_POOL_SIZE (60G),
@@ -11,7 +11,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export BUNSHIN_HOME=${BUNSHIN_HOME:-/var/lib/bunshin}
 VENV=${BUNSHIN_VENV:-$REPO/.venv}
-IMAGES=${BUNSHIN_IMAGES:-base}
+IMAGES=${BUNSHIN_IMAGES:-base webarena}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 [ "$(id -u)" = 0 ] || { echo "scripts/setup.sh must run as root" >&2; exit 1; }
