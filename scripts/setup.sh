@@ -11,7 +11,7 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 export BUNSHIN_HOME=${BUNSHIN_HOME:-/var/lib/bunshin}
 VENV=${BUNSHIN_VENV:-$REPO/.venv}
-IMAGES=${BUNSHIN_IMAGES:-base webarena}
+IMAGES=${BUNSHIN_IMAGES:-base webarena osworld}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 [ "$(id -u)" = 0 ] || { echo "scripts/setup.sh must run as root" >&2; exit 1; }
