@@ -5,7 +5,7 @@
     bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
     bunshin snap ls|rm                  snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
-    bunshin bench workspace --json P    benchmarks
+    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID)
     bunshin demo                        start, run, fork: what a workspace can do
 """
 
@@ -140,9 +140,19 @@ def _cmd_bench(args) -> int:
     if args.name == "fork":
         from bunshin_gym.bench import fork
 
-        fork.run(args.json, image=args.image or "base", counts=tuple(int(x) for x in args.counts.split(",")),
-                 modes=tuple(args.modes.split(",")), heap_mb=args.heap_mb,
+        fork.run(args.json, image=args.image or "base",
+                 counts=tuple(int(x) for x in (args.counts or "1,2,4,8,16").split(",")),
+                 modes=tuple((args.modes or "copy,ksm,share,map-anon").split(",")), heap_mb=args.heap_mb,
                  plot=args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None))
+        return 0
+    if args.name == "env":
+        from bunshin_gym.bench import env
+
+        if not args.env:
+            print(f"bunshin bench env needs --env ID (one of: {', '.join(sorted(env.BENCHES))})")
+            return 2
+        env.run(args.json, env_id=args.env, counts=tuple(int(x) for x in (args.counts or "1,8,16").split(",")),
+                modes=tuple((args.modes or "share,copy").split(",")))
         return 0
     raise AssertionError(args.name)
 
@@ -197,11 +207,13 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "env"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
-    be.add_argument("--counts", default="1,2,4,8,16", help="fork: clone counts")
-    be.add_argument("--modes", default="copy,ksm,share,map-anon", help="fork: memory modes")
+    be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
+    be.add_argument("--modes", default=None,
+                    help="fork, env: memory modes (default copy,ksm,share,map-anon; env: share,copy)")
+    be.add_argument("--env", default=None, help="env: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
     be.add_argument("--epochs", type=int, default=3, help="rollout: epochs per mode")

@@ -151,32 +151,12 @@ def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes:
 
 
 # Bunshin-WebArena-v0 ----------------------------------------------------------------------
-# NOTE: a stand-in written by the OSWorld engineer, who overwrote the WebArena engineer's
-# uncommitted first version of this file by accident; the WebArena engineer owns this part.
-def bench_webarena(steps: int = 100, counts: tuple[int, ...] = (1, 8, 16), modes: tuple[str, ...] = ("share", "copy"),
-                   task: str = "webarena/1001") -> dict:
-    res: dict = {"env": "Bunshin-WebArena-v0"}
-    env = gym.make("Bunshin-WebArena-v0")
-    try:
-        env.reset(options={"task": task})
-        actions = ["scroll [direction=down]", "scroll [direction=up]"]
-        for a in actions * 2:
-            env.step(a)
-        samples = []
-        for i in range(steps):
-            t0 = time.perf_counter()
-            env.step(actions[i % 2])
-            samples.append(time.perf_counter() - t0)
-        res["latency"] = {"step": summary(samples)}
-        res["memory_task"] = task
-        res["source_mb"] = group_memory(env.unwrapped.workspace.pids()).as_mb()
-        res["clones"] = clone_memory(env, counts, modes, lambda c, i: c.step("scroll [direction=down]"))
-    finally:
-        env.close()
-    step = res["latency"]["step"]
-    print(table([["step (scroll + observation)", step["median_ms"], step["p90_ms"]]],
-                ["measure", "median ms", "p90 ms"]))
-    return res
+def bench_webarena(**kwargs) -> dict:
+    """Reset and step latency and clone memory of the shop env; the measure lives with the env
+    (:mod:`bunshin_gym.envs.webarena.bench`)."""
+    from bunshin_gym.envs.webarena.bench import bench_webarena as run_webarena
+
+    return run_webarena(**kwargs)
 
 
 #: env id -> its benchmark (keyword arguments: steps, counts, modes, task)
