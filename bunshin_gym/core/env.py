@@ -23,6 +23,8 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +81,18 @@ class _Owned:
 WorkspaceFactory = Callable[[str, str], Any]
 
 
+def _locked(method):
+    """Serialise an env's workspace operations: rollout wrappers run replays, snapshots
+    and speculative forks in background threads against the same env."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class WorkspaceEnv(gym.Env):
     """Base class of the bunshin envs.
 
@@ -115,6 +129,7 @@ class WorkspaceEnv(gym.Env):
         self.steps = 0
         self.done = False
         self._closed = False
+        self._lock = threading.RLock()
 
     # hooks for env families ----------------------------------------------------------
     def load_task(self, spec: Any) -> Task:
@@ -161,6 +176,7 @@ class WorkspaceEnv(gym.Env):
         """Whether this env holds a live workspace (a lazy clone does not until it needs one)."""
         return self._ws is not None
 
+    @_locked
     def adopt(self, workspace: Any, state: EnvSnapshot | None = None) -> None:
         """Make ``workspace`` (a fork of this env's lineage) the env's live workspace, closing
         the current one; ``state`` gives the episode state that goes with it."""
@@ -184,6 +200,7 @@ class WorkspaceEnv(gym.Env):
     def max_steps(self) -> int:
         return self._max_steps or (self.task.max_steps if self.task else 15)
 
+    @_locked
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         self._check_open()
@@ -198,6 +215,7 @@ class WorkspaceEnv(gym.Env):
         self._reset_snap = self.snapshot() if self._reset_snapshot_enabled else None
         return self.observe(), {"task_id": task.id, "instruction": task.instruction}
 
+    @_locked
     def step(self, action: Any):
         self._check_open()
         if self.task is None:
@@ -219,6 +237,7 @@ class WorkspaceEnv(gym.Env):
             info["success"] = reward >= 1.0
         return self.observe(), reward, terminated, truncated, info
 
+    @_locked
     def close(self) -> None:
         if self._closed:
             return
@@ -253,6 +272,7 @@ class WorkspaceEnv(gym.Env):
         self._owned.snapshots.append(self._boot_snap)
 
     # fork API --------------------------------------------------------------------------
+    @_locked
     def snapshot(self, *, keep: bool = False, **tags: Any) -> EnvSnapshot:
         """Snapshot the live episode (workspace + step count, task, env state).
 
@@ -270,6 +290,7 @@ class WorkspaceEnv(gym.Env):
             self._owned.snapshots.append(snap)
         return EnvSnapshot(snap, self.task, self.steps, self.done, copy.deepcopy(self.episode_state()))
 
+    @_locked
     def rollback(self, snapshot: EnvSnapshot | None = None) -> Any:
         """Return to a snapshot (default: the state right after the last reset); returns
         the observation there."""
@@ -287,6 +308,7 @@ class WorkspaceEnv(gym.Env):
         self.restore_episode_state(copy.deepcopy(snap.state))
         return self.observe()
 
+    @_locked
     def clone(self, n: int = 1, *, mode: str | None = None, lazy: bool = False) -> list[WorkspaceEnv]:
         """``n`` envs forked from this env's live state: same episode, same step count;
         each evolves independently. Closing one never affects the others.
@@ -310,6 +332,7 @@ class WorkspaceEnv(gym.Env):
             twin = copy.copy(self)
             twin._ws, twin._pending = ws, (snap if lazy else None)
             twin._closed = False
+            twin._lock = threading.RLock()
             twin._np_random = copy.deepcopy(self._np_random)
             twin.restore_episode_state(copy.deepcopy(state))
             self._owned.envs += 1

@@ -141,6 +141,14 @@ class SpeculativeWrapper(BunshinWrapper):
             self._launch(obs)
         return obs, reward, term, trunc, info
 
+    def wait_speculation(self, timeout: float = 60.0) -> bool:
+        """Block until the speculated next call has run (or no speculation is under way);
+        returns whether one is ready. For tests and for policies that know they are slow."""
+        chain = self._chain
+        if chain is None or chain.pos >= len(chain.calls):
+            return False
+        return chain.calls[chain.pos].done.wait(timeout) and chain.calls[chain.pos].result is not None
+
     def skip_call(self, sig: str) -> None:
         """An outer wrapper served this call: no speculation now, but remember the call."""
         self.cancel_speculation()
