@@ -349,10 +349,18 @@ def _keep_log(p: Paths, log: Path, name: str) -> Path:
     return dst
 
 
+#: CRIU log errors that say nothing about the cause (a summary line, a harmless rlimit probe)
+_GENERIC_ERRORS = ("Dumping FAILED", "Restoring FAILED", "RLIMIT_NOFILE", "failed with -1", "Dump files (pid")
+
+
 def _last_error(log: Path) -> str:
+    """The most telling error line of a CRIU log: the first specific one (the cause; later
+    errors are mostly the unwinding)."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return ""
     errs = [ln for ln in lines if "Error" in ln]
-    return (errs[-1] if errs else (lines[-1] if lines else "")).strip()[:300]
+    specific = [ln for ln in errs if not any(g in ln for g in _GENERIC_ERRORS)]
+    pick = specific or errs or lines[-1:]
+    return pick[0].strip()[:300] if pick else ""
