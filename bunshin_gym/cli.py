@@ -31,6 +31,10 @@ def _cmd_image(args) -> int:
         for name in args.names:
             store.ensure(name)
         return 0
+    if args.action == "prune":
+        removed = store.prune()
+        print(f"removed {len(removed)} stale images: {', '.join(removed)}" if removed else "no stale images")
+        return 0
     rows = store.list()
     for info in rows:
         mark = "" if info["current"] else "  (stale: recipe changed)"
@@ -174,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
     b = img_sub.add_parser("build", help="build images (cached by recipe)")
     b.add_argument("names", nargs="+", help="image names, e.g. base")
     img_sub.add_parser("ls", help="list built images")
+    img_sub.add_parser("prune", help="delete stale images (recipe changed) that nothing uses")
     img.set_defaults(fn=_cmd_image)
 
     ws = sub.add_parser("ws", help="manage workspaces")

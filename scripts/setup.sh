@@ -58,5 +58,6 @@ BUNSHIN="$VENV/bin/bunshin"
 # 4. btrfs pool in a loop file, mounted; 5. workspace images (cached by recipe).
 "$VENV/bin/python" -c "from bunshin_gym.workspace import pool; pool.ensure_pool()"
 "$BUNSHIN" image build $IMAGES
+"$BUNSHIN" image prune
 say "done; 'bunshin doctor' checks everything:"
 "$BUNSHIN" doctor | tail -1

@@ -154,6 +154,28 @@ class ImageStore:
             out.append(info)
         return out
 
+    def prune(self) -> list[str]:
+        """Delete built images that are no longer current (their recipe changed or is gone)
+        and that no workspace or snapshot uses; images in use are never touched."""
+        from bunshin_gym.workspace import records
+        from bunshin_gym.workspace.snapshot import SnapshotStore
+
+        used = {r.image_path for r in records.all_records(self.p)}
+        used |= {s.meta.get("image_path") for s in SnapshotStore(self.p).list()}
+        known = recipe_paths()
+        removed = []
+        with build_lock(self.p):
+            for meta in sorted(self.p.images.glob("*.json")):
+                path = meta.with_suffix("")
+                name = json.loads(meta.read_text())["name"]
+                current = name in known and self.path(name) == path
+                if current or str(path) in used:
+                    continue
+                pool.delete_subvolume(path)
+                meta.unlink()
+                removed.append(path.name)
+        return removed
+
     # building ------------------------------------------------------------------------
     def _build(self, r: Recipe) -> Path:
         final = self.path(r.name)
