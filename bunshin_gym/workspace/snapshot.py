@@ -38,7 +38,10 @@ from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceErro
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
 
-#: snapshot chains deeper than this are dumped flat (BUNSHIN_MAX_SNAPSHOT_DEPTH)
+#: the depth past which snapshot chains should be flattened (BUNSHIN_MAX_SNAPSHOT_DEPTH). Not
+#: enforced yet: dumping a clone's mapped page files as memory loses the pages the clone never
+#: faulted in (measured: a flattened clone's processes crash), so chains keep their references
+#: (``ref_depth`` in the metadata) and ancestors stay alive through the parent chain.
 MAX_DEPTH = int(os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8"))
 
 #: ``--skip-in-flight``: a TCP connection still in a listening socket's accept queue cannot be
@@ -185,6 +188,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     (path / "criu").mkdir(parents=True)
     times: dict[str, float] = {}
     cg = ws.cgroup
+    dump_env = dict(os.environ, **uffd.dump_env(p))
     try:
         ws._quiesce_agent()
         t0 = time.perf_counter()
@@ -199,7 +203,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             proc = subprocess.run(
                 [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS,
                  "--freeze-cgroup", str(freezer), "-o", "dump.log", "-v4"],
-                capture_output=True, text=True, env=dict(os.environ, **uffd.dump_env(p)),
+                capture_output=True, text=True, env=dump_env,
             )
             times["dump_ms"] = _ms(t)
         finally:
@@ -218,6 +222,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
         "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
         "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
         "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+        "ref_depth": _ref_depth(rec, parent),
         "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
     }
     snap = Snapshot(path, meta, p)
@@ -226,6 +231,16 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     tmp.write_text(json.dumps(meta, indent=1))
     os.rename(tmp, path / "meta.json")
     return snap
+
+
+def _ref_depth(rec: records.Record, parent: Snapshot | None) -> int:
+    """How many ancestors' page files a new snapshot of this workspace may reference: a clone
+    restored with pages mapped from its snapshot keeps those mappings when dumped again, so
+    its snapshots need their ancestors (kept alive by the parent chain). Not yet flattened:
+    see MAX_DEPTH."""
+    if parent is None or not memory.maps_images(memory.MemoryMode(rec.memory_mode)):
+        return 0
+    return parent.meta.get("ref_depth", 0) + 1
 
 
 # restoring -----------------------------------------------------------------------------
