@@ -162,9 +162,9 @@ def test_nested_snapshots_three_levels(mode):
             # a child stores its delta: level 1 changed 1 MiB of a 64 MiB heap
             smaller = sizes[1] < sizes[0] / 2 and sizes[2] < sizes[0] / 2
             if mode == "share" and not smaller:
-                pytest.xfail("share mode restores anonymous memory by copying (KSM merges it later), so a "
-                             "child's dump writes every anonymous page again: the child image is not smaller "
-                             f"(sizes {sizes}); the userfaultfd anonymous sharing will make it a delta")
+                pytest.xfail("share mode's anonymous memory is served by userfaultfd from a tmpfs copy of the "
+                             "parent's images, but a re-dump writes every present page (no references to the "
+                             f"parent's pages yet), so the child image is not smaller (sizes {sizes})")
             assert smaller, f"child images are not deltas: sizes {sizes}"
     finally:
         host.close_all(*reversed(opened))
