@@ -50,6 +50,7 @@ from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
 from bunshin_gym.rollout.residency import Residency
 from bunshin_gym.rollout.signature import signature
+from bunshin_gym.rollout.stats import Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceError
 
@@ -196,7 +197,7 @@ class CacheStats:
         return {**vars(self), "hit_rate": round(self.hits / total, 3) if total else 0.0}
 
 
-class PrefixCache:
+class PrefixCache(Counted):
     """A tool-prefix cache shared by many envs (all members of all groups of a run).
 
     Args:
@@ -218,7 +219,6 @@ class PrefixCache:
         self.log = log
         self.residency = Residency(memory_budget)
         self.stats = CacheStats()
-        self._stats_lock = threading.Lock()
         for node in self.tree.nodes():
             if node.snapshot:
                 self.residency.add(node, _snapshot_size(node.snapshot))
@@ -226,10 +226,6 @@ class PrefixCache:
     def wrap(self, env: gym.Env) -> PrefixCacheWrapper:
         return PrefixCacheWrapper(env, self)
 
-    def count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            for k, v in deltas.items():
-                setattr(self.stats, k, getattr(self.stats, k) + v)
 
     def save(self) -> None:
         self.tree.save()

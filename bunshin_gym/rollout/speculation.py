@@ -31,6 +31,7 @@ from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
 from bunshin_gym.rollout.selector import SpecToolSelector
 from bunshin_gym.rollout.signature import signature
+from bunshin_gym.rollout.stats import Counted
 
 
 @dataclass
@@ -48,7 +49,7 @@ class SpecStats:
         return {**vars(self), "accuracy": round(self.matched / done, 3) if done else 0.0}
 
 
-class Speculation:
+class Speculation(Counted):
     """Shared configuration and statistics of speculative execution.
 
     Args:
@@ -66,15 +67,10 @@ class Speculation:
         self.durations = durations or {}
         self.min_duration = min_duration
         self.stats = SpecStats()
-        self._lock = threading.Lock()
 
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
 
-    def count(self, **deltas: float) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                setattr(self.stats, k, getattr(self.stats, k) + v)
 
 
 @dataclass
