@@ -152,6 +152,7 @@ def test_chromium_in_a_share_clone_survives_two_minutes(env):
     [twin] = env.clone(1, mode="share")
     try:
         t = twin.unwrapped
+        t._max_steps = 10**6  # a soak, not an episode
         pages = ["about.html", "contact.html", "search.html", "index.html", "ads.html"]
         deadline = time.monotonic() + 120
         i = 0

@@ -158,7 +158,13 @@ def save_post(fname):
             {"type": "execute", "parameters": {"command": ["python", "-c", "import pyautogui; pyautogui.hotkey(\"ctrl\", \"s\");"]}},
             {"type": "sleep", "parameters": {"seconds": 3}}]
 def go(col, row):
-    return [hk("ctrl", "home")] + ([f"pyautogui.press('right', presses={col})"] if col else []) + ([f"pyautogui.press('down', presses={row})"] if row else [])
+    # a click in the grid first: the keyboard focus is then surely in the sheet
+    # LibreOffice handles a burst of keys out of order (a Down pressed before the typed text
+    # sometimes lands after it), so every navigation step is followed by a pause
+    nap = "import time; time.sleep(0.5)"
+    return (["pyautogui.click(900, 700)", nap, hk("ctrl", "home"), nap]
+            + ([f"pyautogui.press('right', presses={col})", nap] if col else [])
+            + ([f"pyautogui.press('down', presses={row})", nap] if row else []))
 def cell(coord, method, ref):
     return {"type": "check_cell", "sheet_idx": 0, "coordinate": coord, "props": {"value": {"method": method, "ref": ref}}}
 task("calc", "calc-sum-expenses", "In cell B7 of expenses.xlsx, compute the total of the amounts in B2:B6.", calc("expenses.xlsx", "calc/expenses.xlsx"),
