@@ -71,7 +71,7 @@ def clone_memory(env: gym.Env, counts: tuple[int, ...], modes: tuple[str, ...],
 
 # Bunshin-OSWorld-v0 -----------------------------------------------------------------------
 def _osworld_latency(space: str, task: str, steps: int) -> dict:
-    env = gym.make("Bunshin-OSWorld-v0", action_space=space, require_a11y_tree=False)
+    env = gym.make("Bunshin-OSWorld-v0", action_space=space, require_a11y_tree=False, max_steps=10**6)
     try:
         env.reset(options={"task": task})
         u = env.unwrapped
