@@ -108,6 +108,8 @@ class WorkspaceEnv(gym.Env):
 
     metadata = {"render_modes": []}
     default_image = "base"
+    #: the host name of the env's workspaces: fixed, so runs of a task are alike (prompts, paths)
+    hostname = "workspace"
 
     def __init__(self, task: Any = None, *, image: str | None = None, memory_mode: str = "share",
                  max_steps: int | None = None, reset_snapshot: bool = True,
@@ -118,7 +120,8 @@ class WorkspaceEnv(gym.Env):
         self._default_task = task
         self._max_steps = max_steps
         self._reset_snapshot_enabled = reset_snapshot
-        self._factory = workspace_factory or (lambda image, mode: Workspace.create(image, memory_mode=mode))
+        self._factory = workspace_factory or (
+            lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname))
         self._ws: Any = None
         self._pending: EnvSnapshot | None = None  # lazy: fork from this on first use of the workspace
         self._boot_snap: Any = None

@@ -59,7 +59,7 @@ class Workspace:
     # life cycle ----------------------------------------------------------------------
     @classmethod
     def create(cls, image: str = "base", *, memory_mode: str = DEFAULT_MODE, detached: bool = False,
-               ready_timeout: float = 30.0, ws_id: str | None = None) -> Workspace:
+               ready_timeout: float = 30.0, ws_id: str | None = None, hostname: str | None = None) -> Workspace:
         """Start a workspace from an image (which must be built: ``bunshin image build``).
 
         Args:
@@ -71,6 +71,8 @@ class Workspace:
                 or the unsafe opt-in "map-anon".
             ready_timeout: seconds to wait for the agent to answer.
             ws_id: the workspace id (default: a random ``ws-xxxxxxxx``).
+            hostname: the workspace's host name (default: its id). Envs give a fixed one, so
+                that two workspaces of one task look the same to the agent.
         """
         mode = MemoryMode.parse(memory_mode)
         p = pool.require_pool()
@@ -96,7 +98,7 @@ class Workspace:
             cg = Cgroup.create(ws_id)
             proc = subprocess.run(
                 [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
-                 str(sub / "upper"), str(sub / "work"), str(p.snapshots), ws_id, *cg.procs_files],
+                 str(sub / "upper"), str(sub / "work"), str(p.snapshots), hostname or ws_id, *cg.procs_files],
                 capture_output=True, text=True, timeout=60,
             )
             if proc.returncode != 0:
