@@ -63,6 +63,15 @@ class PeakSampler:
 
 def make_source(image: str, heap_mb: int, procs: int) -> Workspace:
     ws = Workspace.create(image)
+    if image == "osworld":  # the desktop: Xvfb, window manager, terminal, and chromium on a page
+        from bunshin_gym.envs.osworld import desktop
+
+        desktop.boot_desktop(ws, 1920, 1080)
+        ws.write_file("/home/user/page.html", "<h1>bunshin</h1>" + "<p>lorem ipsum dolor</p>" * 200, owner="user")
+        desktop.session_spawn(ws, ["chromium", "file:///home/user/page.html"], log="/tmp/chromium.log")
+        time.sleep(8.0)  # let chromium start its renderer and settle
+    if procs == 0 or heap_mb == 0:
+        return ws
     ws.write_file("/opt/heap.py", HEAP_PROGRAM)
     for _ in range(procs):
         ws.spawn(["python3", "/opt/heap.py"], env={"HEAP_MB": str(heap_mb // procs)})
@@ -76,6 +85,9 @@ def make_source(image: str, heap_mb: int, procs: int) -> Workspace:
 
 def activity(ws: Workspace) -> None:
     ws.exec("pkill -USR1 -f /opt/heap.py; ls -R /usr/share/doc > /dev/null; echo done > /root/activity.txt")
+    if ws.image == "osworld":  # the desktop: keys and scrolling in chromium
+        ws.exec("xdotool search --onlyvisible --class chromium windowactivate --sync key --delay 20 "
+                "Page_Down Page_Down End Home ctrl+f b u n s h i n Escape", env={"DISPLAY": ":0"}, user="user")
 
 
 def _ksm_settle(mode: MemoryMode) -> float:
@@ -98,6 +110,8 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
         counts: tuple[int, ...] = (1, 2, 4, 8, 16), modes: tuple[str, ...] = ("copy", "ksm", "share", "map-anon"),
         plot: str | None = None) -> dict:
     mechanism = share_anon_mechanism()
+    if image == "osworld":
+        heap_mb, procs = 0, 0  # the desktop's own processes (chromium, Xvfb, ...) are the memory
     print(f"bench fork: image {image!r}, {heap_mb} MB heap in {procs} processes; modes {', '.join(modes)}; "
           f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {mechanism}")
     results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
@@ -190,7 +204,8 @@ def _summarise(res: dict, counts: tuple[int, ...]) -> None:
             m["first_snapshot"]["frozen_ms"], first["delta_snapshot"]["frozen_ms"], first["rollback"]["median_ms"],
             row["ksmd_cpu_s"], row["monitor_cpu_s"],
         ])
-    print(f"\nat n = {n_max} clones of a {res['heap_mb']} MB-heap workspace (memory in MB, times as named; "
+    what = f"a {res['heap_mb']} MB-heap workspace" if res['heap_mb'] else f"the {res['image']} workspace"
+    print(f"\nat n = {n_max} clones of {what} (memory in MB, times as named; "
           f"share's anonymous memory via {res['share_anon_mechanism']}):")
     print(table(rows, ["mode", "uniq@restore", "uniq@activity", "pss@activity", "peak", "fan-out s",
                        "s/clone", "frozen 1st ms", "frozen delta ms", "rollback ms", "ksmd s", "monitor s"]))
