@@ -45,7 +45,12 @@ if [ "$(cat "$VENV/.bunshin-stamp" 2>/dev/null)" != "$stamp" ]; then
 	"$VENV/bin/pip" install -q --upgrade pip 2>&1 | grep -v WARNING || true
 	torch=$(grep '^torch==' "$REPO/constraints.txt")
 	say "installing $torch (CPU wheel) alone, before anything can pull a CUDA build"
-	"$VENV/bin/pip" install -q "$torch" 2>&1 | grep -v WARNING || true
+	local_wheel=$(ls /opt/wheels/torch-${torch#torch==}+cpu-cp3*.whl 2>/dev/null | head -n 1 || true)
+	if [ -n "$local_wheel" ]; then  # machines of this workplace keep the CPU wheel on disk
+		"$VENV/bin/pip" install -q "$local_wheel" 2>&1 | grep -v WARNING || true
+	else
+		"$VENV/bin/pip" install -q "$torch" --index-url https://download.pytorch.org/whl/cpu 2>&1 | grep -v WARNING || true
+	fi
 	say "installing bunshin-gym (editable) with pinned dependencies"
 	"$VENV/bin/pip" install -q -c "$REPO/constraints.txt" -e "$REPO[web,train,dev]" 2>&1 | grep -v WARNING || true
 	"$VENV/bin/python" -c "import bunshin_gym, gymnasium, torch, trl" 
