@@ -25,13 +25,13 @@ def run(json_path: str | None = None, starts: int = 20, execs: int = 200, image:
             t0 = time.perf_counter()
             ws.exec(["true"])
             rtt.append(time.perf_counter() - t0)
+        time.sleep(1.0)
+        mem = ws.memory()  # idle: before the large outputs grow the agent's heap
         big = []
         for _ in range(5):
             t0 = time.perf_counter()
             ws.exec("head -c 10000000 /dev/zero")
             big.append(time.perf_counter() - t0)
-        time.sleep(1.0)
-        mem = ws.memory()
     finally:
         ws.close()
     res = {
