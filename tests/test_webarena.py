@@ -67,6 +67,13 @@ def test_observation_is_webarena_tree_url_and_tabs(env):
     assert lines[0].startswith("[1] RootWebArea 'One Stop Market'")
     assert all(LINE.match(line) for line in lines), [ln for ln in lines if not LINE.match(ln)][:5]
     assert "StaticText 'Welcome, Emma Lopez!'" in obs["accessibility_tree"]  # require_login: signed in
+    u = env.unwrapped
+    u.screenshot = True
+    try:
+        shot = u.observe()["screenshot"]
+    finally:
+        u.screenshot = False
+    assert shot.shape == (720, 1280, 3) and shot.dtype.name == "uint8" and shot.std() > 0
     account = next(ln for ln in lines if ln.strip().endswith("link 'My Account'"))
     obs, *_ = env.step(f"click [{account.strip()[1:account.strip().index(']')]}]")
     assert obs["url"].endswith("/customer/account/") and "heading 'My Account'" in obs["accessibility_tree"]
