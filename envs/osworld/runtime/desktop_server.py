@@ -4,7 +4,8 @@ Started at boot as user ``user`` with ``DISPLAY=:0``; listens on the unix socket
 ``/tmp/.bunshin/desktop.sock``. It holds one X connection (through the ``pyautogui`` module,
 bunshin's python-xlib implementation), so an action costs a socket round trip plus the X
 requests, not a process start. Framing as the workspace agent: a 4-byte big-endian header
-length, a JSON header, then the blobs whose lengths the header lists under ``"_blobs"``.
+length, a JSON header, then the blobs whose lengths the header lists under ``"_blobs"`` (the
+agent's own ``send_msg``/``recv_msg``, imported from ``/.bunshin/agent.py``).
 
 Requests (one reply each; a failed action answers ``{"error": ...}`` and the server goes on):
     {"op": "ping"}
@@ -21,47 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, "/.bunshin")  # the workspace agent's framing, from the runtime layer
 import pyautogui  # noqa: E402 - bunshin's shim, installed beside this file and in dist-packages
+from agent import ProtocolError, recv_msg, send_msg  # noqa: E402
 
 SOCKET_PATH = "/tmp/.bunshin/desktop.sock"
-_LEN = struct.Struct("!I")
 
 
 class ActionTimeout(Exception):
     pass
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError("closed")
-        got += k
-    return bytes(buf)
-
-
-def recv_msg(sock: socket.socket) -> tuple[dict, list[bytes]]:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    header = json.loads(_recv_exact(sock, n))
-    return header, [_recv_exact(sock, size) for size in header.pop("_blobs", [])]
-
-
-def send_msg(sock: socket.socket, header: dict, blobs: list[bytes] = ()) -> None:
-    raw = json.dumps(dict(header, _blobs=[len(b) for b in blobs])).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw + b"".join(blobs))
 
 
 def _alarm(signum, frame):
@@ -169,7 +146,7 @@ def main() -> None:
             while True:
                 try:
                     req, _blobs = recv_msg(conn)
-                except (ConnectionError, OSError, ValueError):
+                except (ProtocolError, OSError, ValueError):
                     break
                 reply, blobs = handle(req)
                 try:
