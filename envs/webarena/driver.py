@@ -58,6 +58,8 @@ class Driver:
         if self.context is not None:
             self.context.close()
         self.context = self.browser.new_context(viewport=self.viewport, storage_state=storage_state)
+        # a JavaScript dialog would block every later call: accept it, as a user clicking OK
+        self.context.on("page", lambda page: page.on("dialog", lambda dialog: dialog.accept()))
         self.context.set_default_timeout(self.timeout_ms)
         self.context.set_default_navigation_timeout(max(self.timeout_ms, 15000))
         self.context.new_page()
