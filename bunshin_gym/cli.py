@@ -7,6 +7,7 @@
     bunshin gc [--all]                  reclaim what crashed processes left
     bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID)
     bunshin demo                        start, run, fork: what a workspace can do
+    bunshin train [options]             GRPO (TRL) over the envs: the main job
 """
 
 from __future__ import annotations
@@ -167,6 +168,13 @@ def _cmd_demo(args) -> int:
     return demo.main()
 
 
+def _cmd_train(args) -> int:
+    from bunshin_gym.train import main as train
+
+    train.main(train.args_from(args))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bunshin", description="Forkable container workspaces for agentic RL.")
     sub = ap.add_subparsers(dest="subcommand", required=True)
@@ -226,6 +234,12 @@ def parser() -> argparse.ArgumentParser:
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
+
+    tr = sub.add_parser("train", help="GRPO training with TRL over bunshin envs (tiny offline policy by default)")
+    from bunshin_gym.train.main import add_arguments
+
+    add_arguments(tr)
+    tr.set_defaults(fn=_cmd_train)
     return ap
 
 
