@@ -27,9 +27,10 @@ from bunshin_gym.workspace.memstat import group_memory, used_memory
 HEAP_PROGRAM = r"""
 import os, signal, time
 buf = bytearray(os.urandom(int(os.environ["HEAP_MB"]) * 2**20))
-def touch(sig, frame):
-    for i in range(0, len(buf) // 20, 4096):
-        buf[i] ^= 0xFF
+def touch(sig, frame):  # rewrite 5% of the pages with bytes of this clone's own
+    mine = os.urandom(len(buf) // 20 // 4096 + 1)
+    for n, i in enumerate(range(0, len(buf) // 20, 4096)):
+        buf[i] ^= mine[n] | 1
 signal.signal(signal.SIGUSR1, touch)
 open(f"/tmp/heap-ready-{os.getpid()}", "w").close()
 while True:
