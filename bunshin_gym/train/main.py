@@ -32,8 +32,9 @@ class Args:
     steps: int = arg(12, "GRPO steps")
     num_generations: int = arg(4, "G: episodes per GRPO group")
     groups_per_step: int = arg(4, "GRPO groups (tasks) per step")
-    learning_rate: float = arg(3e-4, "GRPO learning rate (constant)")
-    temperature: float = arg(1.0, "sampling temperature of rollouts")
+    learning_rate: float = arg(1e-4, "GRPO learning rate (constant, AdamW)")
+    temperature: float = arg(0.7, "sampling temperature of rollouts (and of TRL's log-probabilities)")
+    format_reward: float = arg(0.0, "weight of a reward for well-formed tool calls (shaping; 0: env reward only)")
     warm_start_steps: int = arg(200, "at most this many supervised warm-start steps on the oracle solutions (0: none)")
     warm_start_loss: float = arg(0.03, "stop the warm start at this loss: a partly trained policy leaves GRPO work")
     warm_start_lr: float = arg(5e-3, "warm-start learning rate")
@@ -69,7 +70,7 @@ def main(args: Args) -> dict:
     from bunshin_gym.train import report as reporting
     from bunshin_gym.train.chat import COMPACT_SYSTEM, ChatFormat
     from bunshin_gym.train.policies import LocalGenerator, OpenAICompatibleGenerator, load_hf_policy
-    from bunshin_gym.train.rewards import env_reward
+    from bunshin_gym.train.rewards import env_reward, tool_format_reward
     from bunshin_gym.train.rollout import BunshinRollout, peak_rss_mb, tasks_dataset
     from bunshin_gym.train.tiny import build_tiny_policy, shell_corpus
     from bunshin_gym.train.tools import adapter_for
@@ -154,6 +155,7 @@ def main(args: Args) -> dict:
             num_generations=G, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             beta=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
             seed=args.seed, dataloader_num_workers=0,
+            reward_weights=[1.0, args.format_reward] if args.format_reward else None,
         )
         bar = tqdm(total=args.steps, desc="GRPO", unit="step", disable=args.quiet)
 
@@ -163,15 +165,19 @@ def main(args: Args) -> dict:
                 bar.update(1)
                 bar.set_postfix(reward=f"{last.mean_reward:.2f}", rollout=f"{last.wall_s:.1f}s")
 
-        trainer = GRPOTrainer(model=model, reward_funcs=[env_reward], args=config,
+        rewards = [env_reward] + ([tool_format_reward] if args.format_reward else [])
+        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=config,
                               train_dataset=tasks_dataset(task_ids, repeats=max(1, args.steps * args.groups_per_step)),
                               processing_class=proc, rollout_func=rollout, callbacks=[Progress()])
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)
+        start = [p.detach().clone() for p in model.parameters()]
         t0 = time.perf_counter()
         trainer.train()
         train_wall = time.perf_counter() - t0
+        update_norm = float(sum((p.detach() - q).pow(2).sum()
+                                for p, q in zip(model.parameters(), start, strict=True)) ** 0.5)
         bar.close()
         report["eval"]["after"] = evaluate("after")
 
@@ -194,7 +200,7 @@ def main(args: Args) -> dict:
         report["totals"] = {
             "rollout_s": rollout_s, "rollout_s_per_step": rollout_s / max(1, len(steps)),
             "generate_s": sum(s["generate_s"] for s in steps), "train_s": train_wall - rollout_s,
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_rss_mb": peak_rss_mb(), "update_norm": update_norm,
             "peak_workspace_mb": max([r.workspace_mb for r in rollout.history] or [0.0]),
             "cache": cache.stats.as_dict() if cache else {}, "speculation": spec.stats.as_dict() if spec else {},
         }

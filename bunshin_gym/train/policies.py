@@ -190,7 +190,8 @@ class OpenAICompatibleGenerator:
 
 
 class ScriptedGenerator:
-    """Writes ``script(episode) -> text`` as the model's turn (the warm start's oracle)."""
+    """Writes ``script(episode) -> text`` as the model's turn (the warm start's oracle; tests).
+    Like a model, a text longer than the turn's cap is cut there and left unclosed."""
 
     def __init__(self, script: Callable[[Any], str], fmt: ChatFormat):
         self.script, self.fmt = script, fmt
@@ -199,5 +200,7 @@ class ScriptedGenerator:
         out = []
         for r in requests:
             ids = self.fmt.tokenizer(self.script(r.episode), add_special_tokens=False)["input_ids"]
-            out.append(Generation(ids[:r.max_new - 1] + [self.fmt.eot_id]))
+            ids.append(self.fmt.eot_id)
+            fits = len(ids) <= r.max_new
+            out.append(Generation(ids if fits else ids[:r.max_new], None, fits))
         return out
