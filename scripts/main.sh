@@ -3,4 +3,5 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 "$REPO/scripts/setup.sh"
-exec "${BUNSHIN_VENV:-$REPO/.venv}/bin/bunshin" demo "$@"
+# GRPO with TRL on the shipped shell tasks, tiny offline policy; report in $BUNSHIN_HOME/train/
+exec "${BUNSHIN_VENV:-$REPO/.venv}/bin/bunshin" train "$@"

@@ -218,7 +218,7 @@ class BunshinRollout:
         self.max_completion_tokens, self.obs_chars = max_completion_tokens, obs_chars
         self.max_groups = max_groups
         self.env_kwargs = dict(env_kwargs or {})
-        self.envs: list[Any] = []  # group slots, reused across calls
+        self.envs: dict[tuple[int, int], Any] = {}  # (slot, G) -> group env, reused across calls
         self.history: list[RolloutResult] = []
 
     # TRL entry point ---------------------------------------------------------------------
@@ -268,14 +268,13 @@ class BunshinRollout:
         return result
 
     def _env(self, slot: int, G: int) -> Any:
-        while len(self.envs) <= slot:
-            self.envs.append(None)
-        if self.envs[slot] is None or self.envs[slot].num_envs != G:
-            if self.envs[slot] is not None:
-                self.envs[slot].close()
-            self.envs[slot] = gym.make_vec(self.env_id, num_envs=G, vectorization_mode="vector_entry_point",
-                                           cache=self.cache, speculation=self.speculation, **self.env_kwargs)
-        return self.envs[slot]
+        """The group env of a slot for groups of G (kept for the whole run: closing envs while
+        other groups run costs time and races with their snapshots)."""
+        key = (slot, G)
+        if key not in self.envs:
+            self.envs[key] = gym.make_vec(self.env_id, num_envs=G, vectorization_mode="vector_entry_point",
+                                          cache=self.cache, speculation=self.speculation, **self.env_kwargs)
+        return self.envs[key]
 
     def _group(self, slot: int, G: int, eps: list[Episode], batcher: Batcher) -> None:
         try:
@@ -352,8 +351,8 @@ class BunshinRollout:
         from bunshin_gym.workspace.memstat import group_memory
 
         pids = []
-        for envs in self.envs[:n_slots]:
-            if envs is None:
+        for (slot, _), envs in self.envs.items():
+            if slot >= n_slots:
                 continue
             for env in [envs.root, *envs.members]:
                 ws = env.unwrapped._ws
@@ -377,10 +376,9 @@ class BunshinRollout:
             spec.selector = SpecToolSelector.train(entries, epochs=8)
 
     def close(self) -> None:
-        for envs in self.envs:
-            if envs is not None:
-                envs.close()
-        self.envs = []
+        for envs in self.envs.values():
+            envs.close()
+        self.envs = {}
 
 
 def _member(obs: Any, i: int) -> Any:
