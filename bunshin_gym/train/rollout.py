@@ -257,8 +257,8 @@ class BunshinRollout:
                 errors = [f.exception() for f in futs]
             gen_s += batcher.gen_s
             ws_mb = max(ws_mb, self._workspace_mb(len(wave)))
-            if any(errors):
-                raise next(e for e in errors if e)
+            if any(errors):  # the root cause, not the other groups' "rollout aborted"
+                raise batcher.error or next(e for e in errors if e)
         if self.cache is not None:
             self.cache.save()
         result = RolloutResult(episodes, time.perf_counter() - t0, gen_s, _delta(self.cache, cache0),
