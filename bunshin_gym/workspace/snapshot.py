@@ -168,7 +168,7 @@ class SnapshotStore:
             if (d / "meta.json").exists():
                 try:
                     out.append(Snapshot(d, json.loads((d / "meta.json").read_text()), self.p))
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, FileNotFoundError):  # deleted while we list
                     continue
         return out
 
