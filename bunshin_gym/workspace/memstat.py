@@ -67,33 +67,36 @@ def _frames(pid: int) -> tuple[np.ndarray, np.ndarray]:
     return cat(frames), cat(anon)
 
 
-def _rollup(pid: int) -> tuple[int, int]:
-    pss = rss = 0
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                pss = int(line.split()[1]) * 1024
-            elif line.startswith("Rss:"):
-                rss = int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return pss, rss
+ROLLUP_KEYS = ("Pss", "Rss", "Private_Clean", "Private_Dirty")
+
+
+def rollup(pids: list[int]) -> dict[str, int]:
+    """Bytes of PSS, RSS and private memory summed over processes (``smaps_rollup``);
+    processes that exited meanwhile count nothing."""
+    total = dict.fromkeys(ROLLUP_KEYS, 0)
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in text.splitlines():
+            key, _, rest = line.partition(":")
+            if key in total:
+                total[key] += int(rest.split()[0]) * 1024
+    return total
 
 
 def group_memory(pids: list[int]) -> GroupMemory:
     """Memory of a group of processes, shared pages counted once."""
     all_frames, anon_frames = [], []
-    pss = rss = 0
     for pid in pids:
         f, a = _frames(pid)
         all_frames.append(f)
         anon_frames.append(a)
-        p, r = _rollup(pid)
-        pss += p
-        rss += r
+    roll = rollup(pids)
     uniq = lambda xs: int(np.unique(np.concatenate(xs)).size) if xs else 0  # noqa: E731
     return GroupMemory(unique=uniq(all_frames) * PAGE, unique_anon=uniq(anon_frames) * PAGE,
-                       pss=pss, rss=rss, processes=len(pids))
+                       pss=roll["Pss"], rss=roll["Rss"], processes=len(pids))
 
 
 def used_memory() -> int:

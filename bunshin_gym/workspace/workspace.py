@@ -28,6 +28,7 @@ from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
 from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release, uses_ksm
+from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
 
@@ -319,16 +320,7 @@ class Workspace:
     def memory(self) -> MemoryStats:
         """Sum of PSS, RSS and private bytes over the workspace's processes."""
         pids = self.pids()
-        total = {"Pss": 0, "Rss": 0, "Private_Clean": 0, "Private_Dirty": 0}
-        for pid in pids:
-            try:
-                text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            for line in text.splitlines():
-                key, _, rest = line.partition(":")
-                if key in total:
-                    total[key] += int(rest.split()[0]) * 1024
+        total = rollup(pids)
         return MemoryStats(pss=total["Pss"], rss=total["Rss"],
                            private=total["Private_Clean"] + total["Private_Dirty"],
                            processes=len(pids), cgroup=self._cgroup.memory_usage())
