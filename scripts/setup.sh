@@ -36,6 +36,7 @@ fi
 
 # 2. CRIU from Debian's source package plus criu/patches (rebuilt only when they change).
 "$REPO/criu/build.sh" "$BUNSHIN_HOME/criu"
+"$REPO/criu/pycriu.sh" "$BUNSHIN_HOME/criu"  # pycriu, to rewrite image files (snapshot flattening)
 
 # 3. Python virtual environment: torch's CPU wheel first and alone, then pinned deps.
 stamp=$(cat "$REPO/pyproject.toml" "$REPO/constraints.txt" | sha256sum | cut -c1-16)
