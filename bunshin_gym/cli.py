@@ -3,7 +3,7 @@
     bunshin doctor                      check prerequisites, say how to fix them
     bunshin image build NAME | ls       build or list workspace images
     bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
-    bunshin snap ls|rm                  snapshots
+    bunshin snap ls|rm|flatten          snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
     bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID)
     bunshin demo                        start, run, fork: what a workspace can do
@@ -111,6 +111,13 @@ def _cmd_snap(args) -> int:
         if not snaps:
             print("no snapshots")
         return 0
+    if args.action == "flatten":
+        for snap_id in args.ids:
+            info = store.get(snap_id).flatten()
+            took = ", ".join(sorted({f["from"].split("/")[2] for f in info["files"]})) or "nothing"
+            print(f"flattened {snap_id}: {len(info['files'])} file(s), {info['bytes'] / 2**20:.1f} MiB "
+                  f"taken over from {took}; it needs no other snapshot")
+        return 0
     for snap_id in args.ids:
         store.get(snap_id).delete()
         print(f"deleted {snap_id}")
@@ -208,11 +215,13 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--all", action="store_true")
     ws.set_defaults(fn=_cmd_ws)
 
-    sn = sub.add_parser("snap", help="list or delete snapshots")
+    sn = sub.add_parser("snap", help="list, flatten or delete snapshots")
     sn_sub = sn.add_subparsers(dest="action", required=True)
     sn_sub.add_parser("ls", help="list snapshots and who uses them")
     rm = sn_sub.add_parser("rm", help="delete snapshots (refused while in use)")
     rm.add_argument("ids", nargs="+")
+    fl = sn_sub.add_parser("flatten", help="make snapshots self-contained (take over their ancestors' page files)")
+    fl.add_argument("ids", nargs="+")
     sn.set_defaults(fn=_cmd_snap)
 
     g = sub.add_parser("gc", help="reclaim what crashed processes left")

@@ -31,17 +31,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import memory, pool, records, uffd
+from bunshin_gym.workspace import flatten, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
 
-#: the depth past which snapshot chains should be flattened (BUNSHIN_MAX_SNAPSHOT_DEPTH). Not
-#: enforced yet: dumping a clone's mapped page files as memory loses the pages the clone never
-#: faulted in (measured: a flattened clone's processes crash), so chains keep their references
-#: (``ref_depth`` in the metadata) and ancestors stay alive through the parent chain.
+#: the default depth past which snapshot chains are flattened: a snapshot whose images would
+#: reference more ancestors' page files (``ref_depth``) takes those files over (see
+#: :mod:`bunshin_gym.workspace.flatten`). BUNSHIN_MAX_SNAPSHOT_DEPTH, read at use, overrides it.
 MAX_DEPTH = int(os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8"))
 
 #: ``--skip-in-flight``: a TCP connection still in a listening socket's accept queue cannot be
@@ -125,8 +124,14 @@ class Snapshot:
     def users(self) -> dict[str, list[str]]:
         """Live workspaces restored from this snapshot, and child snapshots that need it."""
         clones = [r.id for r in records.all_records(self._p) if r.snapshot == self.id and r.running()]
-        children = [s.id for s in SnapshotStore(self._p).list() if s.parent == self.id]
+        clones += flatten.stale_clones(self.id, self._p)
+        children = [s.id for s in SnapshotStore(self._p).list() if flatten.needs(s, self.id)]
         return {"clones": clones, "children": children}
+
+    def flatten(self) -> dict:
+        """Make this snapshot need no other snapshot: take over the ancestors' page files its
+        images name and rewrite the images (:mod:`bunshin_gym.workspace.flatten`)."""
+        return flatten.flatten_snapshot(self)
 
     def size(self) -> int:
         """Bytes of this snapshot's own CRIU images (the files are a btrfs delta)."""
@@ -225,6 +230,11 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
         "ref_depth": _ref_depth(rec, parent),
         "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
     }
+    try:
+        flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
+    except BaseException:
+        _remove_dir(path)
+        raise
     snap = Snapshot(path, meta, p)
     meta["criu_bytes"] = snap.size()
     tmp = path / "meta.json.tmp"
@@ -236,8 +246,8 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
 def _ref_depth(rec: records.Record, parent: Snapshot | None) -> int:
     """How many ancestors' page files a new snapshot of this workspace may reference: a clone
     restored with pages mapped from its snapshot keeps those mappings when dumped again, so
-    its snapshots need their ancestors (kept alive by the parent chain). Not yet flattened:
-    see MAX_DEPTH."""
+    its snapshots need their ancestors (kept alive by the parent chain) until flattened past
+    MAX_DEPTH."""
     if parent is None or not memory.maps_images(memory.MemoryMode(rec.memory_mode)):
         return 0
     return parent.meta.get("ref_depth", 0) + 1
