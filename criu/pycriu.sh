@@ -2,6 +2,7 @@
 # Install pycriu (CRIU's Python library for reading and writing image files, the one crit uses)
 # from the CRIU source tree that criu/build.sh unpacked, next to the CRIU it built:
 #   PREFIX/lib/python/pycriu      import with sys.path including PREFIX/lib/python
+#   PREFIX/lib/python/crit        CRIU's image tool: PYTHONPATH=PREFIX/lib/python python3 -m crit show X.img
 # The image modules (*_pb2.py) are generated with the host's protoc; the Python runtime is the
 # venv's `protobuf` package (pyproject). bunshin_gym.workspace.flatten uses it.
 #
@@ -18,7 +19,7 @@ say() { printf '\033[1m[pycriu]\033[0m %s\n' "$*"; }
 
 command -v protoc >/dev/null || { say "protoc is missing (Debian package protobuf-compiler)"; exit 1; }
 stamp=$( { echo "$VERSION"; protoc --version; cat "$0"; } | sha256sum | cut -d' ' -f1)
-if [ -f "$DEST/pycriu/images/pb.py" ] && [ "$(cat "$DEST/.stamp" 2>/dev/null)" = "$stamp" ]; then
+if [ -f "$DEST/pycriu/images/pb.py" ] && [ -f "$DEST/crit/version.py" ] && [ "$(cat "$DEST/.stamp" 2>/dev/null)" = "$stamp" ]; then
 	say "pycriu $VERSION is up to date in $DEST"
 	exit 0
 fi
@@ -29,7 +30,7 @@ trap 'rm -rf "$tmp"' EXIT
 if [ ! -d "$SRC/lib/pycriu" ]; then  # the build tree is gone: only the needed parts of the tarball
 	tarball=$WORK/criu_$VERSION.orig.tar.xz
 	[ -f "$tarball" ] || { say "no CRIU source in $SRC nor $tarball: run criu/build.sh first"; exit 1; }
-	tar xf "$tarball" -C "$tmp" "criu-$VERSION/lib/pycriu" "criu-$VERSION/images" \
+	tar xf "$tarball" -C "$tmp" "criu-$VERSION/lib/pycriu" "criu-$VERSION/crit/crit" "criu-$VERSION/images" \
 		"criu-$VERSION/scripts/magic-gen.py" "criu-$VERSION/criu/include/magic.h"
 	SRC=$tmp/criu-$VERSION
 fi
@@ -53,10 +54,15 @@ echo "__version__ = '$VERSION'" > "$out/version.py"
 	done
 } > "$out/images/pb.py"
 
+cp -r "$SRC/crit/crit" "$tmp/out/crit"
+echo "__version__ = '$VERSION'" > "$tmp/out/crit/version.py"
+
 mkdir -p "$DEST"
-rm -rf "$DEST/pycriu.old"
-[ ! -d "$DEST/pycriu" ] || mv "$DEST/pycriu" "$DEST/pycriu.old"
-mv "$out" "$DEST/pycriu"
-rm -rf "$DEST/pycriu.old"
+for m in pycriu crit; do
+	rm -rf "$DEST/$m.old"
+	[ ! -d "$DEST/$m" ] || mv "$DEST/$m" "$DEST/$m.old"
+	mv "$tmp/out/$m" "$DEST/$m"
+	rm -rf "$DEST/$m.old"
+done
 echo "$stamp" > "$DEST/.stamp"
-say "installed pycriu $VERSION into $DEST"
+say "installed pycriu and crit $VERSION into $DEST"

@@ -6,6 +6,8 @@ ancestor is deleted, and its images (decoded by CRIU's own pycriu) name no other
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import pytest
 from fork_programs import host
 from fork_programs.host import heap, sh
 
+from bunshin_gym.config import paths
 from bunshin_gym.workspace import Workspace, flatten
 from bunshin_gym.workspace.errors import SnapshotError
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
@@ -35,6 +38,15 @@ def _foreign_names(snap: Snapshot) -> list[str]:
             if m.group(1).decode() != snap.id:
                 names.append(f"{f.name}: {m.group(0).decode()}")
     return names
+
+
+def _crit_reg_names(snap: Snapshot) -> list[str]:
+    """The reg-file paths of files.img as CRIU's crit shows them (criu/pycriu.sh installs it)."""
+    env = dict(os.environ, PYTHONPATH=str(paths().criu_prefix / "lib" / "python"))
+    out = subprocess.run([sys.executable, "-m", "crit", "show", str(snap.criu_dir / "files.img")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [e["reg"]["name"] for e in json.loads(out.stdout)["entries"] if e["type"] == "REG"]
 
 
 def _check_clone(c: Workspace, level: int, mutations: list[str], files: str | None = None) -> None:
@@ -94,6 +106,8 @@ def test_chain_is_flattened_at_the_depth_limit(mode, monkeypatch):
         assert info["files"] and set(info["refs_before"]) == {s0.id, s1.id, s2.id}
         assert {f["from"].split("/")[2] for f in info["files"]} == {s0.id, s1.id, s2.id}
         assert _foreign_names(s3) == []
+        taken = [n for n in _crit_reg_names(s3) if n.startswith("/.snap/")]
+        assert taken and all(n.startswith(f"/.snap/{s3.id}/flat/") for n in taken)
         assert s3.meta["refs"] == [] and not any(s3.users().values())
         for f in info["files"]:  # CRIU's restore checks size and mode
             taken = s3.path / f["to"].split("/", 3)[3]
@@ -125,11 +139,12 @@ def test_chain_is_flattened_at_the_depth_limit(mode, monkeypatch):
             s.delete()
 
 
-def test_flatten_on_demand_from_the_cli():
+def test_flatten_on_demand_from_the_cli(monkeypatch):
     """A chain below the limit flattened with 'bunshin snap flatten': a clone restored before
     keeps the parent in use until it closes; then the parent can go and the flattened snapshot
     forks correct clones. A snapshot of a clone of a flattened snapshot takes over files the
-    flattened one took over under their owner's name (no nesting)."""
+    flattened one took over under their owner's name (no nesting); where hard links fail, by
+    btrfs reflink copies (CRIU's restore accepts them: same size and mode)."""
     ws = Workspace.create("base", memory_mode="share")
     opened, snaps = [ws], []
     try:
@@ -194,7 +209,13 @@ def test_flatten_on_demand_from_the_cli():
         snaps.append(s3)
         assert s3.meta["refs"] == [s1.id] and any(f"/{s1.id}/flat/{s0.id}/" in r["name"]
                                                   for r in flatten.references(s3.criu_dir, s3.id))
+        def no_link(src, dst):
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(flatten.os, "link", no_link)
         info = s3.flatten()
+        monkeypatch.undo()
+        assert {f["how"] for f in info["files"]} == {"reflink"}
         assert {f["to"].split("/", 4)[4].split("/")[0] for f in info["files"]} == {s0.id, s1.id}
         assert _foreign_names(s3) == []
         late.close()
