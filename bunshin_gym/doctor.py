@@ -81,6 +81,13 @@ def _criu() -> str:
     return f"{ver.strip()} at {p.criu}: criu check passes"
 
 
+def _pycriu() -> str:
+    from bunshin_gym.workspace import flatten
+
+    images = flatten.pycriu_images(paths())
+    return f"pycriu from {images.__file__.rsplit('/pycriu/', 1)[0]} (snapshot flattening rewrites CRIU images)"
+
+
 def _pool() -> str:
     from bunshin_gym.workspace import pool
 
@@ -124,6 +131,7 @@ def run_checks() -> list[Check]:
         _check("cgroups", "mount the memory and freezer cgroup controllers (or cgroup v2)", _cgroups),
         _check("host tools", SETUP, _tools),
         _check("criu", "criu/build.sh (or " + SETUP + ")", _criu),
+        _check("pycriu", "criu/pycriu.sh (or " + SETUP + ")", _pycriu),
         _check("disk", f"free disk space under {paths().home}", _disk),
         _check("pool", SETUP, _pool),
         _check("runtime", SETUP, _runtime),

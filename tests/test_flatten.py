@@ -230,3 +230,14 @@ def test_flatten_on_demand_from_the_cli(monkeypatch):
         host.close_all(*reversed(opened))
         for s in reversed(snaps):
             s.delete()
+
+
+def test_snapshot_paths_are_named_by_their_owner():
+    """A file a flattened snapshot took over is named by the snapshot it came from, however
+    many flattened snapshots passed it on; other paths are no snapshot's."""
+    assert flatten._split("/.snap/snap-a/criu/pages-1.img") == ("snap-a", "snap-a", "criu/pages-1.img")
+    assert flatten._split("/.snap/snap-c/flat/snap-b/criu/pages-2.img") == ("snap-c", "snap-b", "criu/pages-2.img")
+    assert flatten._split("/.snap/snap-d/flat/snap-c/flat/snap-a/criu/pages-3.img") == (
+        "snap-d", "snap-a", "criu/pages-3.img")
+    for other in ("/usr/lib/libc.so.6", "/.snap", "/.snap/snap-a", "/.snapshots/snap-a/criu/x", "snap/snap-a/x/y"):
+        assert flatten._split(other) is None, other

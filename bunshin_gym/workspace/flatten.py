@@ -70,7 +70,7 @@ def max_depth() -> int:
 
 
 # CRIU images ---------------------------------------------------------------------------
-def _images(p: Paths):
+def pycriu_images(p: Paths):
     """pycriu.images, from the CRIU prefix (criu/pycriu.sh) if not importable otherwise."""
     try:
         from pycriu import images  # type: ignore[import-not-found]
@@ -91,14 +91,14 @@ def _images(p: Paths):
 
 def load_image(path: Path, p: Paths | None = None) -> dict:
     """A CRIU image file decoded by pycriu (``{"magic": ..., "entries": [...]}``)."""
-    images = _images(p or paths())
+    images = pycriu_images(p or paths())
     with open(path, "rb") as f:
         return images.load(f)
 
 
 def _write_image(img: dict, path: Path, p: Paths) -> None:
     buf = io.BytesIO()
-    _images(p).dump(img, buf)
+    pycriu_images(p).dump(img, buf)
     tmp = path.with_name(path.name + ".flatten-tmp")  # not *.img: never copied as an image
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
