@@ -191,9 +191,15 @@ def test_flatten_on_demand_from_the_cli(monkeypatch):
         # a snapshot of it references s0's files (which it maps) and s1's
         s2 = early.snapshot()
         snaps.append(s2)
-        assert set(s2.meta["refs"]) == {s0.id, s1.id}
+        assert set(s2.meta["refs"]) == {s0.id, s1.id} and s2.meta["ref_depth"] == 2  # not s1's 0, plus 1
         early.close()
         opened.remove(early)
+        assert s0.users() == {"clones": [], "children": [s2.id]}
+        # the same from its images when the metadata has no refs (snapshots taken before they were recorded)
+        meta = json.loads((s2.path / "meta.json").read_text())
+        del meta["refs"]
+        (s2.path / "meta.json").write_text(json.dumps(meta))
+        assert s0.users() == {"clones": [], "children": [s2.id]}
         with pytest.raises(SnapshotError, match=s2.id):
             s0.delete()
         s2.delete()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import io
 import json
 import os
@@ -200,19 +201,22 @@ def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
 
 # when ----------------------------------------------------------------------------------
 def on_take(path: Path, meta: dict, p: Paths) -> None:
-    """Called by snapshot.take before meta.json is written: flatten a snapshot whose ref_depth
-    exceeds max_depth(); record the snapshots the images reference (``refs``) in any case.
-    Without pycriu the snapshot stays a chain (a warning, ``flatten_error`` in the metadata)."""
+    """Called by snapshot.take before meta.json is written: record the snapshots the images
+    reference (``refs``) and flatten the snapshot if its ref_depth exceeds max_depth(). The
+    ref_depth from the parent's metadata undercounts for a clone restored before its snapshot
+    was flattened on demand (it still maps that snapshot's former references): it is raised to
+    the number of snapshots actually referenced. Without pycriu the snapshot stays a chain (a
+    warning, ``flatten_error`` in the metadata)."""
     if not meta.get("ref_depth"):
         return
     try:
+        meta["refs"] = sorted({r["holder"] for r in references(path / "criu", meta["id"], p)})
+        meta["ref_depth"] = max(meta["ref_depth"], len(meta["refs"]))
         if meta["ref_depth"] > max_depth():
             info = flatten_dir(path, meta["id"], p)
             info["reason"] = f"ref_depth {meta['ref_depth']} > {max_depth()}"
             meta.update(ref_depth=0, refs=[], flattened=info)
             meta["timings"]["flatten_ms"] = info["ms"]
-        else:
-            meta["refs"] = sorted({r["holder"] for r in references(path / "criu", meta["id"], p)})
     except FlattenUnavailable as e:
         warnings.warn(str(e), stacklevel=3)
         meta["flatten_error"] = str(e)
@@ -263,12 +267,29 @@ def _update_uffd_copy(snap: Snapshot, p: Paths) -> None:
 
 # who needs whom --------------------------------------------------------------------------
 def needs(child: Snapshot, snap_id: str) -> bool:
-    """Whether snapshot ``child`` needs snapshot ``snap_id`` to exist: its images name files of
-    it (``refs``), or it is its parent and ``child`` is not flattened (snapshots taken before
-    refs were recorded, and any mode: the conservative rule)."""
-    if snap_id in child.meta.get("refs", ()):
+    """Whether snapshot ``child`` needs snapshot ``snap_id`` to exist: it is its parent and
+    ``child`` is not flattened (any mode: the conservative rule), or its images name files of
+    it (``refs``: an ancestor further up, needed directly when a snapshot in between was
+    flattened after the clone that ``child`` was taken from had been restored)."""
+    if child.parent == snap_id and not child.meta.get("flattened"):
         return True
-    return child.parent == snap_id and not child.meta.get("flattened")
+    refs = child.meta.get("refs")
+    if refs is None and child.meta.get("ref_depth", 2) >= 2 and not child.meta.get("flattened"):
+        refs = _refs_of_older(child)  # taken before refs were recorded
+    return snap_id in (refs or ())
+
+
+def _refs_of_older(snap: Snapshot) -> frozenset[str]:
+    try:
+        st = (snap.criu_dir / "files.img").stat()
+        return _refs_cached(str(snap.criu_dir), snap.id, st.st_mtime_ns)
+    except (OSError, SnapshotError):  # no pycriu: the parent chain is all there is to go by
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=4096)
+def _refs_cached(criu_dir: str, snap_id: str, mtime_ns: int) -> frozenset[str]:
+    return frozenset(r["holder"] for r in references(Path(criu_dir), snap_id))
 
 
 def stale_clones(snap_id: str, p: Paths | None = None, snaps: list[Snapshot] | None = None,
