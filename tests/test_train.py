@@ -105,6 +105,18 @@ def test_tiny_policy_chat_format(tiny):
     assert spelled.replace("<think>\n\n</think>\n\n<tool_call>", "<tool_call>") == full
 
 
+def test_local_sampling_has_no_hidden_top_k(tiny):
+    """TRL computes the training log-probabilities from softmax(logits / T) over the whole vocabulary,
+    so sampling must not truncate to transformers' default top-k of 50."""
+    from bunshin_gym.train.policies import LocalGenerator, Request
+
+    model, _, fmt = tiny  # randomly initialised: a nearly flat next-token distribution over ~1000 ids
+    prompt = fmt.prompt_ids("do it")[0]
+    torch.manual_seed(0)
+    gens = LocalGenerator(model, fmt, temperature=1.0).generate([Request(prompt, 1) for _ in range(300)])
+    assert len({g.ids[0] for g in gens}) > 100
+
+
 def test_tool_schemas_render_into_the_prompt(tiny):
     _, tok, _ = tiny
     fmt = ChatFormat(tok, tools=SHELL.tools)

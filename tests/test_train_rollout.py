@@ -130,7 +130,9 @@ def test_two_grpo_steps_through_the_real_env_change_the_weights(tmp_path):
 
     # a warm start to a low loss sampled hot: some turns well-formed, some not, so the format reward
     # varies within groups and GRPO has a non-zero loss
-    args = Args(tasks="shell/make-dir,shell/hello-file", steps=2, num_generations=4, groups_per_step=2,
+    # (default groups_per_step: one group per task, so each step holds both tasks once; default
+    # negative_advantages 0: only the episodes above their group's mean push the weights)
+    args = Args(tasks="shell/make-dir,shell/hello-file", steps=2, num_generations=4, lr_warmup_steps=0,
                 warm_start_steps=150, warm_start_loss=0.05, eval_episodes=0, tiny_hidden=64, max_turns=3,
                 learning_rate=1e-3, format_reward=0.2, temperature=1.3, out_dir=str(tmp_path / "run"),
                 quiet=True, seed=3)
@@ -138,7 +140,7 @@ def test_two_grpo_steps_through_the_real_env_change_the_weights(tmp_path):
     assert len(report["steps"]) == 2
     assert report["totals"]["update_norm"] > 0  # the GRPO steps moved the weights
     for step in report["steps"]:
-        assert set(step["per_task"]) <= {"shell/make-dir", "shell/hello-file"}
+        assert set(step["per_task"]) == {"shell/make-dir", "shell/hello-file"}  # every task, every step
         assert 0.0 <= step["reward"] <= 1.0 and step["rollout_s"] > 0
     assert report["warm_start"]["oracle_reward"] == [1.0, 1.0]
     assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "run" / "report.png").stat().st_size > 0

@@ -29,12 +29,13 @@ class Args:
     policy: str = arg("tiny", "'tiny' (built here, offline) or the path of a local Hugging Face causal LM")
     server_url: str = arg("", "OpenAI-compatible server (vLLM...) to sample rollouts from, e.g. http://127.0.0.1:8000/v1")
     server_model: str = arg("", "the served model's name (with --server-url)")
-    steps: int = arg(20, "GRPO steps")
+    steps: int = arg(15, "GRPO steps")
     num_generations: int = arg(4, "G: episodes per GRPO group")
-    groups_per_step: int = arg(4, "GRPO groups (tasks) per step")
-    learning_rate: float = arg(1e-4, "GRPO learning rate (constant, AdamW)")
+    groups_per_step: int = arg(0, "GRPO groups per step (0: one per task, so every step covers every task once)")
+    learning_rate: float = arg(3e-4, "GRPO learning rate (AdamW, constant after the warm-up)")
+    lr_warmup_steps: int = arg(3, "GRPO steps of linear learning-rate warm-up (Adam's first steps are sign-like)")
     temperature: float = arg(0.7, "sampling temperature of rollouts (and of TRL's log-probabilities)")
-    negative_advantages: float = arg(1.0, "scale of negative GRPO advantages (1: plain GRPO; 0: learn only from "
+    negative_advantages: float = arg(0.0, "scale of negative GRPO advantages (1: plain GRPO; 0: learn only from "
                                      "the episodes that beat their group's mean)")
     format_reward: float = arg(0.0, "weight of a reward for well-formed tool calls (shaping; 0: env reward only)")
     warm_start_steps: int = arg(200, "at most this many supervised warm-start steps on the oracle solutions (0: none)")
@@ -77,9 +78,9 @@ def main(args: Args) -> dict:
 
     class ScaledAdvantageGRPOTrainer(GRPOTrainer):
         """GRPO with negative advantages scaled by ``negative_scale`` (1.0: unchanged). A tiny
-        memorising policy degrades under the push-down of its failed samples (measured: reward
-        0.3 -> 0 within a few steps at Adam lr >= 3e-4); keeping only the push-up of the
-        episodes that beat their group's mean avoids that."""
+        memorising policy degrades under the push-down of its failed samples (measured with 12
+        groups per step at lr 3e-4: eval 0.58 -> 0.45); keeping only the push-up of the episodes
+        that beat their group's mean raised it (0.58 -> 0.77) in the same run."""
 
         negative_scale = 1.0
 
@@ -166,9 +167,11 @@ def main(args: Args) -> dict:
         report["eval"] = {"episodes_per_task": args.eval_episodes, "before": evaluate("before")}
         first_train = len(rollout.history)
         G = args.num_generations
+        groups = args.groups_per_step or len(task_ids)
         config = GRPOConfig(
             output_dir=str(out / "trl"), max_steps=args.steps, learning_rate=args.learning_rate,
-            lr_scheduler_type="constant", optim="adamw_torch", per_device_train_batch_size=G * args.groups_per_step,
+            lr_scheduler_type="constant_with_warmup", warmup_steps=args.lr_warmup_steps, optim="adamw_torch",
+            per_device_train_batch_size=G * groups,
             num_generations=G, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             beta=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
             seed=args.seed, dataloader_num_workers=0,
@@ -184,7 +187,7 @@ def main(args: Args) -> dict:
 
         rewards = [env_reward] + ([tool_format_reward] if args.format_reward else [])
         trainer = ScaledAdvantageGRPOTrainer(model=model, reward_funcs=rewards, args=config,
-                              train_dataset=tasks_dataset(task_ids, repeats=max(1, args.steps * args.groups_per_step)),
+                              train_dataset=tasks_dataset(task_ids, repeats=-(-groups // len(task_ids))),
                               processing_class=proc, rollout_func=rollout, callbacks=[Progress()])
         from transformers import PrinterCallback
 
