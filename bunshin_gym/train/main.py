@@ -29,7 +29,7 @@ class Args:
     policy: str = arg("tiny", "'tiny' (built here, offline) or the path of a local Hugging Face causal LM")
     server_url: str = arg("", "OpenAI-compatible server (vLLM...) to sample rollouts from, e.g. http://127.0.0.1:8000/v1")
     server_model: str = arg("", "the served model's name (with --server-url)")
-    steps: int = arg(15, "GRPO steps")
+    steps: int = arg(20, "GRPO steps")
     num_generations: int = arg(4, "G: episodes per GRPO group")
     groups_per_step: int = arg(0, "GRPO groups per step (0: one per task, so every step covers every task once)")
     learning_rate: float = arg(3e-4, "GRPO learning rate (AdamW, constant after the warm-up)")
