@@ -78,9 +78,9 @@ def main(args: Args) -> dict:
 
     class ScaledAdvantageGRPOTrainer(GRPOTrainer):
         """GRPO with negative advantages scaled by ``negative_scale`` (1.0: unchanged). A tiny
-        memorising policy degrades under the push-down of its failed samples (measured with 12
-        groups per step at lr 3e-4: eval 0.58 -> 0.45); keeping only the push-up of the episodes
-        that beat their group's mean raised it (0.58 -> 0.77) in the same run."""
+        memorising policy degrades under the push-down of its failed samples (measured, seed 1,
+        15 steps of 12 groups at lr 3e-4: eval 0.58 -> 0.45); keeping only the push-up of the
+        episodes that beat their group's mean raised it (0.58 -> 0.77) with the same settings."""
 
         negative_scale = 1.0
 
