@@ -209,7 +209,8 @@ def parser() -> argparse.ArgumentParser:
     f = ws_sub.add_parser("fork", help="snapshot a workspace and start N detached clones of it")
     f.add_argument("id")
     f.add_argument("-n", type=int, default=1, help="number of clones (default 1)")
-    f.add_argument("--mode", default=None, help="memory mode: share (default), ksm, copy, map-anon")
+    f.add_argument("--mode", default=None,
+                   help="memory mode: share (default), ksm, copy, kmod (needs the bunshin_share module), map-anon")
     st = ws_sub.add_parser("stop", help="stop workspaces and reclaim them")
     st.add_argument("ids", nargs="*")
     st.add_argument("--all", action="store_true")

@@ -77,6 +77,12 @@ class Cgroup:
     def thaw(self, timeout: float = 10.0) -> None:
         self._set_frozen(False, timeout)
 
+    def is_frozen(self) -> bool:
+        d = self._freezer()
+        if unified():
+            return "frozen 1" in (d / "cgroup.events").read_text()
+        return (d / "freezer.state").read_text().strip() == "FROZEN"
+
     def _set_frozen(self, frozen: bool, timeout: float) -> None:
         d = self._freezer()
         if unified():

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import cgroups, memory, pool, records, uffd
+from bunshin_gym.workspace import cgroups, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.images import build_lock
 from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
@@ -31,10 +31,20 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     p = p or paths()
     rep = GcReport()
     uffd.check_all(p)  # a clone whose uffd monitor died is stopped (then reclaimed below)
+    holders = []
     for rec in records.all_records(p):
-        if all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()):
+        if kmod.is_holder(rec) and not all_workspaces:
+            holders.append(rec)  # after the clones: a holder goes with the last kmod clone it serves
+        elif all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()):
             reclaim(rec, p)
             rep.workspaces.append(rec.id)
+    for rec in holders:
+        snap_id = rec.extra[kmod.HOLDER_KEY]
+        if not (p.snapshots / snap_id).exists() or (rec.pid1 is not None and not rec.running()):
+            reclaim(rec, p)
+            rep.workspaces.append(rec.id)
+        else:
+            rep.workspaces += kmod.close_holders(snap_id, p, unless_used=True)
     # a record is written before its subvolume and cgroup, so reading records after listing
     # them never sweeps a workspace that is being created
     subvols = sorted(p.workspaces.iterdir()) if pool.is_mounted(p.pool) else []
@@ -61,16 +71,20 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
 def _sweep_snapshots(p: Paths) -> list[str]:
     """Ephemeral snapshots nobody uses, and snapshot directories a crash left incomplete."""
     swept = []
-    live = {r.snapshot for r in records.all_records(p) if r.running()}
+    live = {r.snapshot for r in records.all_records(p) if r.running() and not kmod.is_holder(r)}
     for d in sorted(p.snapshots.iterdir()):
         if d.name.startswith(".") or d.name in live:
             continue
+        try:
+            age = time.time() - d.stat().st_mtime
+        except FileNotFoundError:  # deleted by another process meanwhile
+            continue
         if not (d / "meta.json").exists():
-            if time.time() - d.stat().st_mtime > 60:  # an older one is no snapshot in progress
+            if age > 60:  # an older one is no snapshot in progress
                 _remove_dir(d)
                 swept.append(d.name)
             continue
-        if time.time() - d.stat().st_mtime < 60:  # a fork may be about to register its clones
+        if age < 60:  # a fork may be about to register its clones
             continue
         before = d.exists()
         release_snapshot(d.name, p)

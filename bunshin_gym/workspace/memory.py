@@ -14,6 +14,9 @@ clone (memory dropped with ``MADV_DONTNEED`` reads back as zeros); tests check i
               :data:`SHARE_ANON_MECHANISM`: ``"uffd"`` (copy-on-write from the image on tmpfs
               with a userfaultfd monitor, :mod:`bunshin_gym.workspace.uffd`) where the kernel
               and CRIU support it, else ``"ksm"``.
+``kmod``      anonymous memory shared copy-on-write from a frozen holder copy of the snapshot
+              by the ``bunshin_share`` kernel module (:mod:`bunshin_gym.workspace.kmod`);
+              needs the module loaded (``SetupError`` otherwise).
 ``map-anon``  anonymous memory too is mapped from the page image. UNSAFE, opt-in: after
               ``MADV_DONTNEED`` such memory reads back the image's page instead of zeros
               (chromium's and jemalloc's allocators crash on that).
@@ -35,6 +38,7 @@ class MemoryMode(StrEnum):
     COPY = "copy"
     KSM = "ksm"
     SHARE = "share"
+    KMOD = "kmod"
     MAP_ANON = "map-anon"
 
     @classmethod
@@ -78,7 +82,7 @@ def maps_images(mode: MemoryMode) -> bool:
 
 def restore_env(mode: MemoryMode, images_in_workspace: str) -> dict[str, str]:
     """Environment for ``criu restore`` (read by criu/patches/0001-restore-share-pages.patch)."""
-    if mode in (MemoryMode.COPY, MemoryMode.KSM):
+    if mode in (MemoryMode.COPY, MemoryMode.KSM, MemoryMode.KMOD):
         return {}
     env = {"CRIU_MMAP_PAGES": "1", "CRIU_MMAP_PAGES_DIR": images_in_workspace}
     if mode is MemoryMode.MAP_ANON:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import flatten, memory, pool, records, uffd
+from bunshin_gym.workspace import flatten, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -74,19 +74,22 @@ class Snapshot:
         return f"<Snapshot {self.id} of {self.meta.get('workspace')} parent={self.parent}>"
 
     def fork(self, n: int = 1, *, mode: str | memory.MemoryMode | None = None,
-             detached: bool = False) -> list[Workspace]:
+             detached: bool = False, _holder: bool = False) -> list[Workspace]:
         """Restore ``n`` live clones concurrently, each in fresh namespaces and its own cgroup.
 
         Args:
             n: number of clones.
             mode: memory mode of the clones (default: the snapshot's).
             detached: keep the clones after this process exits (CLI use).
+            _holder: restore the snapshot's kmod holder (stopped before it runs; see kmod.py).
         """
         from bunshin_gym.workspace.workspace import Workspace
 
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         mode = memory.MemoryMode.parse(mode or self.mode)
+        if mode is memory.MemoryMode.KMOD:
+            kmod.check_available(self._p)  # before anything is made
         me = os.getpid()
         recs = []
         for _ in range(n):
@@ -96,6 +99,7 @@ class Snapshot:
                 subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
                 snapshot=self.id, owner=None if detached else me,
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
+                extra={kmod.HOLDER_KEY: self.id} if _holder else {},
             ))
         clones = [Workspace(rec, self._p) for rec in recs]
         try:
@@ -113,7 +117,8 @@ class Snapshot:
                 more = "".join(f"; also: {e}" for e in failed[1:])
                 raise ForkError(f"{failed[0]}{more}") from failed[0]
             for ws in clones:
-                ws._connect()
+                if not _holder:
+                    ws._connect()
         except BaseException:
             for ws in clones:
                 ws.close()
@@ -123,7 +128,8 @@ class Snapshot:
     # usage and deletion --------------------------------------------------------------
     def users(self) -> dict[str, list[str]]:
         """Live workspaces restored from this snapshot, and child snapshots that need it."""
-        clones = [r.id for r in records.all_records(self._p) if r.snapshot == self.id and r.running()]
+        clones = [r.id for r in records.all_records(self._p)
+                  if r.snapshot == self.id and r.running() and not kmod.is_holder(r)]
         clones += flatten.stale_clones(self.id, self._p)
         children = [s.id for s in SnapshotStore(self._p).list() if flatten.needs(s, self.id)]
         return {"clones": clones, "children": children}
@@ -143,6 +149,7 @@ class Snapshot:
         if users["clones"] or users["children"]:
             raise SnapshotError(f"snapshot {self.id} is in use by clones {users['clones']} and child "
                                 f"snapshots {users['children']}; close or delete those first")
+        kmod.close_holders(self.id, self._p)
         _remove_dir(self.path)
 
 
@@ -269,6 +276,13 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         env.update(uffd.restore_env(rec))
     if memory.uses_ksm(mode):
         memory.ksm_acquire(rec.id)
+    script = []
+    if mode is memory.MemoryMode.KMOD:  # anonymous memory from the snapshot's frozen holder
+        env.update(kmod.clone_env(kmod.holder_for(snap, p), logs / f"{rec.id}-kmod.json"))
+    elif kmod.is_holder(rec):
+        env.update(kmod.holder_env(logs / f"{rec.id}-kmod.json"))
+    if mode is memory.MemoryMode.KMOD or kmod.is_holder(rec):
+        script = ["--action-script", str(kmod.action_script(p))]
     cmd = [
         f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
         str(sub / "upper"), str(sub / "work"), "1" if memory.uses_ksm(mode) else "0",
@@ -278,7 +292,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
         "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
-        "-o", str(logs / f"{rec.id}-restore.log"), "-v4",
+        "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *script,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -287,6 +301,14 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
     out, err = proc.communicate()
     logs = p.run / "logs"
     log = logs / f"{rec.id}-restore.log"
+    report = logs / f"{rec.id}-kmod.json"
+    if (rec.memory_mode == memory.MemoryMode.KMOD or kmod.is_holder(rec)) and (proc.returncode == 0 or report.exists()):
+        served = kmod.read_report(report)
+        if "error" in served:
+            raise ForkError(f"kmod restore of {rec.id} from snapshot {rec.snapshot}: sharing anonymous memory from "
+                            f"the holder failed (the clone was stopped before it ran and is removed): "
+                            f"{served['error']}; log: {log}")
+        rec.extra["kmod"] = served
     if proc.returncode != 0:
         raise ForkError(f"CRIU restore of {rec.id} from snapshot {rec.snapshot} failed "
                         f"(exit {proc.returncode}): {_last_error(log) or err.strip()}; log: {log}")
@@ -348,6 +370,7 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
     except SnapshotError:
         return
     if snap.meta.get("ephemeral") and not any(snap.users().values()):
+        kmod.close_holders(snap.id, p)
         _remove_dir(snap.path)
         release_snapshot(snap.parent, p)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import pool, records, snapshot, uffd
+from bunshin_gym.workspace import kmod, pool, records, snapshot, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
@@ -379,5 +379,7 @@ def reclaim(rec: records.Record, p: Paths | None = None) -> None:
     if uses_ksm(MemoryMode(rec.memory_mode)) and rec.snapshot:
         ksm_release(rec.id)
     records.remove(rec.id, p)
+    if rec.snapshot and rec.memory_mode == MemoryMode.KMOD and not kmod.is_holder(rec):
+        kmod.close_holders(rec.snapshot, p, unless_used=True)
     snapshot.release_snapshot(rec.snapshot, p)
     uffd.release_images(p, rec.snapshot)
