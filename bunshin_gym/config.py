@@ -7,6 +7,7 @@ the records of live workspaces, which vanish with a reboot as the workspaces do.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,3 +64,22 @@ def paths() -> Paths:
         pool=Path(os.environ.get("BUNSHIN_POOL", str(home / "pool"))),
         criu_prefix=Path(os.environ.get("BUNSHIN_CRIU_PREFIX", str(home / "criu"))),
     )
+
+
+@functools.cache
+def _binary_carries(path: str, mtime: float, marker: bytes) -> bool:
+    try:
+        return marker in Path(path).read_bytes()
+    except OSError:
+        return False
+
+
+def criu_carries(marker: bytes, p: Paths | None = None) -> bool:
+    """Whether the built CRIU carries one of the project's patches (named by a string only that
+    patch adds to the binary); False when CRIU is not built. Cached until the binary changes."""
+    criu = (p or paths()).criu
+    try:
+        mtime = criu.stat().st_mtime
+    except OSError:
+        return False
+    return _binary_carries(str(criu), mtime, marker)

@@ -39,6 +39,19 @@ def fresh_ws():
     w.close()
 
 
+@pytest.fixture
+def kmod_double(monkeypatch):
+    """``kmod_double(mode)``: for memory mode "kmod" on a host without the bunshin_share module
+    (this one), run its whole path with the copying test double (tests/test_fork_kmod.py)."""
+    from bunshin_gym import kmod_share
+
+    def apply(mode: str) -> None:
+        if mode == "kmod" and not kmod_share.available():
+            monkeypatch.setenv("BUNSHIN_KMOD_DOUBLE", "copy")
+
+    return apply
+
+
 def proc_state(pid: int) -> str | None:
     """The state letter of a process (``Z`` for a zombie), None when it is gone."""
     try:

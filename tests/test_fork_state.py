@@ -10,7 +10,6 @@ import pytest
 from fork_programs import host
 from fork_programs.host import DIR, heap, sh
 
-from bunshin_gym import kmod_share
 from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.memory import MemoryMode
 
@@ -37,9 +36,8 @@ def _start_processes(ws: Workspace) -> None:
 
 
 @pytest.mark.parametrize("mode", [m.value for m in MemoryMode])
-def test_clone_equals_source_at_fork_time(mode, monkeypatch):
-    if mode == "kmod" and not kmod_share.available():  # the whole kmod path, module replaced by its test double
-        monkeypatch.setenv("BUNSHIN_KMOD_DOUBLE", "copy")
+def test_clone_equals_source_at_fork_time(mode, kmod_double):
+    kmod_double(mode)
     ws = Workspace.create("base", memory_mode=mode)
     clones, snap = [], None
     try:

@@ -51,7 +51,8 @@ def _assert_talking(ws: Workspace, port: int, seconds: float = 1.0) -> tuple[int
 
 
 @pytest.mark.parametrize("mode", [m.value for m in MemoryMode])
-def test_established_tcp_pair_keeps_talking_in_every_clone(mode):
+def test_established_tcp_pair_keeps_talking_in_every_clone(mode, kmod_double):
+    kmod_double(mode)
     ws = Workspace.create("base", memory_mode=mode)
     clones, snap = [], None
     try:

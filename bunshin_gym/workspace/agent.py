@@ -177,6 +177,35 @@ def _reap_spawned() -> None:
                 _children.discard(proc)
 
 
+def serve_unix(path: str, handle, *, mode: int = 0o600, backlog: int = 4, name: str = "server") -> None:
+    """Serve one connection at a time on a unix socket, each request answered by
+    ``handle(req, blobs) -> (reply, blobs)``: the loop of the env daemons (the desktop server,
+    the web driver) that import this file's framing from ``/.bunshin``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    srv.bind(path)  # bound at its final name: CRIU re-binds a restored socket at the name it was bound to
+    os.chmod(path, mode)
+    srv.listen(backlog)
+    print(f"{name} {os.getpid()} on {path}", file=sys.stderr, flush=True)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            while True:
+                try:
+                    req, blobs = recv_msg(conn)
+                except (ProtocolError, OSError, ValueError):
+                    break
+                reply, out = handle(req, blobs)
+                try:
+                    send_msg(conn, reply, out)
+                except OSError:
+                    break
+
+
 class Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         while True:

@@ -39,12 +39,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Protocol
 
 from bunshin_gym import kmod_share
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, criu_carries, paths
 from bunshin_gym.workspace import records
 from bunshin_gym.workspace.errors import SetupError
 
@@ -55,22 +54,12 @@ _SPECIAL = ("[vdso]", "[vvar]", "[vvar_vclock]", "[vsyscall]", "[uprobes]")
 
 
 # availability ------------------------------------------------------------------------------
-@cache
-def _criu_has_skip(criu: str, mtime: float) -> bool:
-    try:
-        return CRIU_MARKER in Path(criu).read_bytes()
-    except OSError:
-        return False
-
-
 def unavailable_reason(p: Paths | None = None) -> str | None:
     """Why kmod clones cannot be made on this host (None when they can)."""
     p = p or paths()
-    try:
-        mtime = p.criu.stat().st_mtime
-    except OSError:
+    if not p.criu.exists():
         return f"CRIU is not built ({p.criu}); run: criu/build.sh"
-    if not _criu_has_skip(str(p.criu), mtime):
+    if not criu_carries(CRIU_MARKER, p):
         return f"{p.criu} lacks criu/patches/0012-restore-skip-anon-pages.patch; run: criu/build.sh"
     if os.environ.get(DOUBLE_ENV) == "copy":
         return None

@@ -36,7 +36,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, criu_carries, paths
 from bunshin_gym.workspace import records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
@@ -71,14 +71,6 @@ def monitor_binary(p: Paths | None = None) -> Path:
 
 
 @cache
-def _criu_has_uffd(criu: str, mtime: float) -> bool:
-    try:
-        return CRIU_MARKER in Path(criu).read_bytes()
-    except OSError:
-        return False
-
-
-@cache
 def _kernel_probe(binary: str) -> tuple[bool, str]:
     proc = subprocess.run([binary, "--probe"], capture_output=True, text=True)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
@@ -96,11 +88,9 @@ def unavailable_reason(p: Paths | None = None) -> str | None:
     ok, msg = _kernel_probe(str(binary))
     if not ok:
         return msg
-    try:
-        mtime = p.criu.stat().st_mtime
-    except OSError:
+    if not p.criu.exists():
         return f"CRIU is not built ({p.criu}); run: criu/build.sh"
-    if not _criu_has_uffd(str(p.criu), mtime):
+    if not criu_carries(CRIU_MARKER, p):
         return f"{p.criu} lacks criu/patches/0003-uffd-share-anon.patch; run: criu/build.sh"
     return None
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import traceback
 
 sys.path.insert(0, "/.bunshin")
-from agent import ProtocolError, recv_msg, send_msg  # noqa: E402  (the workspace agent's framing)
+from agent import serve_unix  # noqa: E402  (the workspace agent's framing and server loop)
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
@@ -206,38 +205,18 @@ def _key_combo(combo: str) -> str:
 
 
 def serve(driver: Driver, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    # bound at its final name: CRIU re-binds a restored socket at the name it was bound to
-    srv.bind(path)
-    os.chmod(path, 0o600)
-    srv.listen(4)
-    print(f"bunshin web driver {os.getpid()} on {path}", file=sys.stderr, flush=True)
-    while True:
-        conn, _ = srv.accept()
-        with conn:
-            while True:
-                try:
-                    req, _blobs = recv_msg(conn)
-                except (ProtocolError, OSError, ValueError):
-                    break
-                fn = getattr(driver, "op_" + str(req.get("op")), None)
-                try:
-                    if fn is None:
-                        raise ValueError(f"unknown operation {req.get('op')!r}")
-                    reply, out = fn(req)
-                except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
-                    if not isinstance(e, (PlaywrightError, ValueError, KeyError)):
-                        traceback.print_exc()
-                    reply, out = {"error": f"{type(e).__name__}: {_first_line(e)}"}, []
-                try:
-                    send_msg(conn, reply, out)
-                except OSError:
-                    break
+    def handle(req: dict, _blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+        fn = getattr(driver, "op_" + str(req.get("op")), None)
+        try:
+            if fn is None:
+                raise ValueError(f"unknown operation {req.get('op')!r}")
+            return fn(req)
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
+            if not isinstance(e, (PlaywrightError, ValueError, KeyError)):
+                traceback.print_exc()
+            return {"error": f"{type(e).__name__}: {_first_line(e)}"}, []
+
+    serve_unix(path, handle, name="bunshin web driver")
 
 
 def _first_line(e: Exception) -> str:

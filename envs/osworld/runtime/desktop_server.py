@@ -24,7 +24,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -32,7 +31,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, "/.bunshin")  # the workspace agent's framing, from the runtime layer
 import pyautogui  # noqa: E402 - bunshin's shim, installed beside this file and in dist-packages
-from agent import ProtocolError, recv_msg, send_msg  # noqa: E402
+from agent import serve_unix  # noqa: E402
 
 SOCKET_PATH = "/tmp/.bunshin/desktop.sock"
 
@@ -131,28 +130,8 @@ def handle(req: dict) -> tuple[dict, list[bytes]]:
 
 
 def main() -> None:
-    os.makedirs(os.path.dirname(SOCKET_PATH), exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(SOCKET_PATH)
     signal.signal(signal.SIGALRM, _alarm)
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(SOCKET_PATH)  # bound under its final name: CRIU re-binds a restored socket by that name
-    os.chmod(SOCKET_PATH, 0o666)
-    srv.listen(8)
-    print(f"bunshin desktop server {os.getpid()} on {SOCKET_PATH}", file=sys.stderr, flush=True)
-    while True:
-        conn, _ = srv.accept()
-        with conn:
-            while True:
-                try:
-                    req, _blobs = recv_msg(conn)
-                except (ProtocolError, OSError, ValueError):
-                    break
-                reply, blobs = handle(req)
-                try:
-                    send_msg(conn, reply, blobs)
-                except OSError:
-                    break
+    serve_unix(SOCKET_PATH, lambda req, _blobs: handle(req), mode=0o666, backlog=8, name="bunshin desktop server")
 
 
 if __name__ == "__main__":
