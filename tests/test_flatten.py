@@ -70,7 +70,6 @@ def test_chain_is_flattened_at_the_depth_limit(mode, monkeypatch):
     ws = Workspace.create("base", memory_mode=mode)
     opened, snaps = [ws], []
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, MB, "flatten")
         sh(ws, "echo 0 > /root/chain")
         current, mutations = ws, []
@@ -148,7 +147,6 @@ def test_flatten_on_demand_from_the_cli(monkeypatch):
     ws = Workspace.create("base", memory_mode="share")
     opened, snaps = [ws], []
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, MB, "flatten")
         sh(ws, "echo 0 > /root/chain")
         s0 = ws.snapshot()

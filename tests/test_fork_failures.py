@@ -111,7 +111,6 @@ def test_killing_a_clone_never_affects_siblings_source_or_snapshot(mode):
     ws = Workspace.create("base", memory_mode=mode)
     clones, snap = [], None
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, 32, "kill")
         sh(ws, "echo src > /root/who")
         snap = ws.snapshot()

@@ -41,7 +41,6 @@ def test_clone_equals_source_at_fork_time(mode, kmod_double):
     ws = Workspace.create("base", memory_mode=mode)
     clones, snap = [], None
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, HEAP_MB, "equal")
         for _ in range(7):
             heap(ws, PORT, "incr")
@@ -77,7 +76,6 @@ def test_clones_diverge_independently():
     ws = Workspace.create("base")
     clones, snap = [], None
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, 16, "diverge")
         _populate_files(ws)
         base_sha = heap(ws, PORT, "sha")
@@ -120,7 +118,6 @@ def test_nested_snapshots_three_levels(mode):
     ws = Workspace.create("base", memory_mode=mode)
     opened, snaps = [ws], []
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, mb, "nested")
         sh(ws, "echo 0 > /root/chain; echo level0 > /root/level0")
         heap(ws, PORT, "incr")
@@ -178,7 +175,6 @@ def test_rollback_twice_gives_the_same_state(mode):
     ws = Workspace.create("base", memory_mode=mode)
     snap = None
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         heap_pid = host.heap_start(ws, PORT, 8, "rollback")
         for _ in range(5):
             heap(ws, PORT, "incr")
@@ -215,7 +211,6 @@ def test_heap_program_is_checked_against_the_host():
     mismatch in a clone can only mean the clone's memory is wrong."""
     ws = Workspace.create("base")
     try:
-        host.install(ws, "heap.py", "heapctl.py")
         host.heap_start(ws, PORT, 2, "host")
         assert heap(ws, PORT, "sha") == host.heap_expected(2, "host")
         assert heap(ws, PORT, "mutate", "x") == host.heap_expected(2, "host", "x") != host.heap_expected(2, "host")

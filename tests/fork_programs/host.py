@@ -68,7 +68,8 @@ def sh(ws: Workspace, cmd: str, timeout: float = 120.0) -> str:
 
 
 def heap_start(ws: Workspace, port: int, mb: int, seed: str) -> int:
-    """Start heap.py (a process holding ``mb`` MiB); its pid inside the workspace."""
+    """Install and start heap.py (a process holding ``mb`` MiB); its pid inside the workspace."""
+    install(ws, "heap.py", "heapctl.py")
     ready = f"/tmp/heap-{port}.ready"
     ws.spawn(["python3", f"{DIR}/heap.py", str(port), str(mb), seed, ready], log=f"/tmp/heap-{port}.log")
     return int(wait_file(ws, ready, timeout=120))
