@@ -111,3 +111,30 @@ def test_corrupt_snapshot_is_reported_by_name():
         for log in logs:
             log.unlink(missing_ok=True)
     assert not any(s.path.exists() for s in snaps)
+
+
+def test_release_deletes_now_or_once_the_last_user_is_gone():
+    """``Snapshot.release()`` (what an env does with its snapshots on close): an unused snapshot
+    goes at once; one a child snapshot still needs (a prefix cache's) goes with that child."""
+    ws = Workspace.create("base")
+    store = SnapshotStore()
+    try:
+        alone = ws.snapshot()
+        alone.release()
+        assert alone.id not in {s.id for s in store.list()}
+
+        parent = ws.snapshot()
+        [clone] = parent.fork(1)
+        sh(clone, "echo child > /root/f")
+        child = clone.snapshot()
+        clone.close()
+        parent.release()  # still needed by the child: kept, now ephemeral
+        kept = store.get(parent.id)
+        assert kept.meta["ephemeral"] and kept.users()["children"] == [child.id]
+        [again] = kept.fork(1)  # still whole and usable
+        again.close()
+        assert parent.id in {s.id for s in store.list()}
+        child.delete()  # the last user: the parent goes with it
+        assert parent.id not in {s.id for s in store.list()}
+    finally:
+        ws.close()

@@ -60,7 +60,8 @@ class EnvSnapshot:
 
 
 class _Owned:
-    """Snapshots made by an env and its clones, deleted when the last of them closes."""
+    """Snapshots made by an env and its clones, deleted when the last of them closes (or, if
+    still used then, by a prefix cache's child snapshots say, as soon as nothing uses them)."""
 
     def __init__(self) -> None:
         self.envs = 0
@@ -72,9 +73,9 @@ class _Owned:
             return
         for snap in sorted(self.snapshots, key=lambda s: -getattr(s, "depth", 0)):
             try:
-                snap.delete()
+                snap.release()
             except (SnapshotError, WorkspaceError):
-                pass  # still used elsewhere; `bunshin gc` or its user deletes it later
+                pass  # gone already, or unreadable: `bunshin gc` deals with it
         self.snapshots.clear()
 
 

@@ -151,6 +151,18 @@ class Snapshot:
                                 f"snapshots {users['children']}; close or delete those first")
         kmod.close_holders(self.id, self._p)
         _remove_dir(self.path)
+        for needed in {self.parent, *self.meta.get("refs", [])} - {None}:
+            release_snapshot(needed, self._p)  # an ephemeral ancestor this one kept alive goes now
+
+    def release(self) -> None:
+        """Delete the snapshot now if nothing uses it, else as soon as nothing does (it becomes
+        ephemeral: the last user's close, or ``bunshin gc``, deletes it)."""
+        try:
+            self.delete()
+        except SnapshotError:
+            self.meta["ephemeral"] = True
+            _write_meta(self.path, self.meta)
+            release_snapshot(self.id, self._p)  # in case the last user went meanwhile
 
 
 class SnapshotStore:
@@ -244,9 +256,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
         raise
     snap = Snapshot(path, meta, p)
     meta["criu_bytes"] = snap.size()
-    tmp = path / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.rename(tmp, path / "meta.json")
+    _write_meta(path, meta)
     return snap
 
 
@@ -372,7 +382,8 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
     if snap.meta.get("ephemeral") and not any(snap.users().values()):
         kmod.close_holders(snap.id, p)
         _remove_dir(snap.path)
-        release_snapshot(snap.parent, p)
+        for needed in {snap.parent, *snap.meta.get("refs", [])} - {None}:
+            release_snapshot(needed, p)
 
 
 # helpers -------------------------------------------------------------------------------
@@ -385,6 +396,12 @@ def _remove_dir(path: Path) -> None:
     if (path / "fs").exists():
         pool.delete_subvolume(path / "fs")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    tmp = path / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, path / "meta.json")
 
 
 def _keep_log(p: Paths, log: Path, name: str) -> Path:
