@@ -30,6 +30,9 @@ class FakeSnapshot:
     def delete(self) -> None:
         pass
 
+    def release(self) -> None:
+        pass
+
 
 class FakeWorkspace:
     def __init__(self, image: str = "base", memory_mode: str = "share", state: dict | None = None):
