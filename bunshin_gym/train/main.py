@@ -13,6 +13,7 @@ import dataclasses
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ def main(args: Args) -> dict:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # TRL toggles gradient checkpointing through names transformers has deprecated: one warning per
+    # step would break the progress bar
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
     t_start = time.perf_counter()
     random.seed(args.seed)
     np.random.seed(args.seed)
