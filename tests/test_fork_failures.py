@@ -87,8 +87,8 @@ def test_criu_dump_failure_leaves_source_running_and_names_the_log():
         host.close_all(clones, ws)
         for log in logs:
             log.unlink(missing_ok=True)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
 
 
 def host_pid_of(ws: Workspace, ns_pid: int) -> int:

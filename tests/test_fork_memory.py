@@ -56,8 +56,8 @@ def test_madv_dontneed_reads_zeros_in_clone(mode):
         assert src.split() == ["before_bad=0", "after_nonzero=0", "refill_bad=0"]
     finally:
         host.close_all(clones, ws)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
 
 
 REDIS_PORT = 6390
@@ -118,5 +118,5 @@ def test_jemalloc_redis_frees_and_reuses_memory_in_clone(mode):
         assert _redis(ws, "verify", "a", str(KEYS), str(VALUE)) == f"ok {KEYS}"
     finally:
         host.close_all(clones, ws)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()

@@ -68,8 +68,8 @@ def test_clone_equals_source_at_fork_time(mode, kmod_double):
         assert host.fs_state(ws) == src_files and host.proc_tree(ws) == src_procs
     finally:
         host.close_all(clones, ws)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
 
 
 def test_clones_diverge_independently():
@@ -107,8 +107,8 @@ def test_clones_diverge_independently():
         assert sh(late, "sqlite3 /var/lib/forktest/db.sqlite 'select v from t'").split() == ["base"]
     finally:
         host.close_all(clones, ws)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
 
 
 @pytest.mark.parametrize("mode", ["copy", "share", "map-anon"])
@@ -202,8 +202,8 @@ def test_rollback_twice_gives_the_same_state(mode):
         assert heap(ws, PORT, "incr") == "6"
     finally:
         ws.close()
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
 
 
 def test_heap_program_is_checked_against_the_host():

@@ -86,5 +86,5 @@ def test_established_tcp_pair_keeps_talking_in_every_clone(mode, kmod_double):
             _assert_talking(c, cport, 0.3)
     finally:
         host.close_all(clones, ws)
-    if snap is not None:
-        snap.delete()
+        if snap is not None:
+            snap.delete()
