@@ -88,6 +88,21 @@ def test_without_the_module_kmod_mode_refuses_and_leaves_the_source_alone(no_dou
         snap.delete()
 
 
+@pytest.mark.skipif(kmod_share.available(), reason="the module is loaded here; the refusal cannot be seen")
+def test_without_the_module_a_kmod_rollback_refuses_before_stopping_anything(no_double):
+    ws = Workspace.create("base", memory_mode="kmod")
+    try:
+        sh(ws, "echo before > /root/f")
+        snap = ws.snapshot()
+        sh(ws, "echo after > /root/f")
+        with pytest.raises(SetupError, match="bunshin_share kernel module is not loaded"):
+            ws.rollback(snap)
+        assert sh(ws, "cat /root/f").strip() == "after"  # still running, unchanged
+        snap.delete()
+    finally:
+        ws.close()
+
+
 # the whole path, with the copying double ---------------------------------------------------
 @pytest.fixture
 def double(monkeypatch):

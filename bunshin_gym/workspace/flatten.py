@@ -233,6 +233,8 @@ def _lock(p: Paths):
 def flatten_snapshot(snap: Snapshot) -> dict:
     """Flatten an existing snapshot in place (see :meth:`Snapshot.flatten`). Idempotent; clones
     restored before keep the files they map, and keep those snapshots in use (stale_clones)."""
+    from bunshin_gym.workspace import snapshot
+
     p = snap._p
     with _lock(p):
         meta = json.loads((snap.path / "meta.json").read_text())
@@ -243,9 +245,7 @@ def flatten_snapshot(snap: Snapshot) -> dict:
         info["reason"] = "on demand"
         meta.update(ref_depth=0, refs=[], flattened=info)
         _update_uffd_copy(snap, p)
-        tmp = snap.path / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, snap.path / "meta.json")
+        snapshot._write_meta(snap.path, meta)
         snap.meta = meta
         return info
 

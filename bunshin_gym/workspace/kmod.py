@@ -340,15 +340,26 @@ def close_holders(snap_id: str, p: Paths | None = None, *, unless_used: bool = F
     return closed
 
 
-def clone_env(holder: records.Record, report: Path) -> dict[str, str]:
-    """Environment of ``criu restore`` for a kmod clone (with :func:`action_script`)."""
-    return {"CRIU_SKIP_ANON_PAGES": "1", "BUNSHIN_KMOD_HOLDER": f"{holder.pid1}:{holder.cgroup}",
-            "BUNSHIN_KMOD_REPORT": str(report)}
+def involved(rec: records.Record) -> bool:
+    """A kmod clone or a holder: restored with the action script, which leaves a report."""
+    return rec.memory_mode == "kmod" or is_holder(rec)
 
 
-def holder_env(report: Path) -> dict[str, str]:
-    """Environment of ``criu restore`` for a holder: its tasks are stopped before they run."""
-    return {"BUNSHIN_KMOD_STOP": "1", "BUNSHIN_KMOD_REPORT": str(report)}
+def report_path(rec: records.Record, p: Paths) -> Path:
+    return p.run / "logs" / f"{rec.id}-kmod.json"
+
+
+def restore_setup(rec: records.Record, holder: records.Record | None, p: Paths) -> tuple[dict[str, str], list[str]]:
+    """Environment and extra arguments of ``criu restore`` for a kmod clone (served from
+    ``holder``) or a holder (stopped before it runs); nothing for other workspaces."""
+    if not involved(rec):
+        return {}, []
+    env = {"BUNSHIN_KMOD_REPORT": str(report_path(rec, p))}
+    if is_holder(rec):
+        env["BUNSHIN_KMOD_STOP"] = "1"
+    else:
+        env.update(CRIU_SKIP_ANON_PAGES="1", BUNSHIN_KMOD_HOLDER=f"{holder.pid1}:{holder.cgroup}")
+    return env, ["--action-script", str(action_script(p))]
 
 
 def action_script(p: Paths | None = None) -> Path:

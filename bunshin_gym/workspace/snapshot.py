@@ -106,7 +106,8 @@ class Snapshot:
             for rec in recs:
                 records.save(rec, self._p)
                 Cgroup.create(rec.cgroup)
-            procs = [_start_restore(self, rec, mode, self._p) for rec in recs]
+            holder = _kmod_holder(self, mode)  # once the clones' records keep it from `bunshin gc`
+            procs = [_start_restore(self, rec, mode, self._p, holder) for rec in recs]
             failed = []  # wait for every restore, so none is left unreaped and unreported
             for rec, proc in zip(recs, procs, strict=True):
                 try:
@@ -128,10 +129,11 @@ class Snapshot:
     # usage and deletion --------------------------------------------------------------
     def users(self) -> dict[str, list[str]]:
         """Live workspaces restored from this snapshot, and child snapshots that need it."""
-        clones = [r.id for r in records.all_records(self._p)
-                  if r.snapshot == self.id and r.running() and not kmod.is_holder(r)]
-        clones += flatten.stale_clones(self.id, self._p)
-        children = [s.id for s in SnapshotStore(self._p).list() if flatten.needs(s, self.id)]
+        running = [r for r in records.all_records(self._p) if r.running()]
+        snaps = SnapshotStore(self._p).list()
+        clones = [r.id for r in running if r.snapshot == self.id and not kmod.is_holder(r)]
+        clones += flatten.stale_clones(self.id, self._p, snaps, running)
+        children = [s.id for s in snaps if flatten.needs(s, self.id)]
         return {"clones": clones, "children": children}
 
     def flatten(self) -> dict:
@@ -271,7 +273,16 @@ def _ref_depth(rec: records.Record, parent: Snapshot | None) -> int:
 
 
 # restoring -----------------------------------------------------------------------------
-def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode, p: Paths) -> subprocess.Popen:
+def _kmod_holder(snap: Snapshot, mode: memory.MemoryMode) -> records.Record | None:
+    """For a kmod restore: the snapshot's holder (SetupError without the module)."""
+    if mode is not memory.MemoryMode.KMOD:
+        return None
+    kmod.check_available(snap._p)
+    return kmod.holder_for(snap, snap._p)
+
+
+def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode, p: Paths,
+                   holder: records.Record | None = None) -> subprocess.Popen:
     """Lay the clone's files and start ``criu restore`` for it (returns at once)."""
     sub = Path(rec.subvolume)
     pool.snapshot_subvolume(snap.fs, sub)
@@ -286,13 +297,8 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         env.update(uffd.restore_env(rec))
     if memory.uses_ksm(mode):
         memory.ksm_acquire(rec.id)
-    script = []
-    if mode is memory.MemoryMode.KMOD:  # anonymous memory from the snapshot's frozen holder
-        env.update(kmod.clone_env(kmod.holder_for(snap, p), logs / f"{rec.id}-kmod.json"))
-    elif kmod.is_holder(rec):
-        env.update(kmod.holder_env(logs / f"{rec.id}-kmod.json"))
-    if mode is memory.MemoryMode.KMOD or kmod.is_holder(rec):
-        script = ["--action-script", str(kmod.action_script(p))]
+    kmod_env, kmod_args = kmod.restore_setup(rec, holder, p)  # anonymous memory from the snapshot's holder
+    env.update(kmod_env)
     cmd = [
         f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
         str(sub / "upper"), str(sub / "work"), "1" if memory.uses_ksm(mode) else "0",
@@ -302,7 +308,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
         "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
-        "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *script,
+        "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -311,8 +317,8 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
     out, err = proc.communicate()
     logs = p.run / "logs"
     log = logs / f"{rec.id}-restore.log"
-    report = logs / f"{rec.id}-kmod.json"
-    if (rec.memory_mode == memory.MemoryMode.KMOD or kmod.is_holder(rec)) and (proc.returncode == 0 or report.exists()):
+    report = kmod.report_path(rec, p)
+    if kmod.involved(rec) and (proc.returncode == 0 or report.exists()):
         served = kmod.read_report(report)
         if "error" in served:
             raise ForkError(f"kmod restore of {rec.id} from snapshot {rec.snapshot}: sharing anonymous memory from "
@@ -335,13 +341,14 @@ def restore_in_place(ws: Workspace, snap: Snapshot) -> None:
     rec, p = ws._rec, ws._p
     if snap.meta["image_path"] != rec.image_path:
         raise SnapshotError(f"snapshot {snap.id} is of image {snap.image}, workspace {ws.id} runs {rec.image}")
+    mode = memory.MemoryMode(rec.memory_mode)
+    holder = _kmod_holder(snap, mode)  # before the workspace is stopped: a SetupError loses nothing
     ws.disconnect()
     stop_processes(rec)
     pool.delete_subvolume(Path(rec.subvolume))
     rec.snapshot, rec.pid1, rec.pid1_start, rec.layer = snap.id, None, None, snap.meta["layer"]
     records.save(rec, p)
-    mode = memory.MemoryMode(rec.memory_mode)
-    _finish_restore(rec, _start_restore(snap, rec, mode, p), p)
+    _finish_restore(rec, _start_restore(snap, rec, mode, p, holder), p)
 
 
 def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
