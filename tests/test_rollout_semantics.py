@@ -15,7 +15,7 @@ SHELL_ACTIONS = ["sleep 0.5; ls /data", "ls /data | wc -l > answer.txt", "cat an
 
 def final_state(env) -> str:
     ws = env.workspace if hasattr(type(env), "workspace") else env.unwrapped.workspace
-    return ws.exec("cd /home/user && find . -type f | sort | xargs -r md5sum; ls -la /data").text
+    return ws.exec("cd /home/user && find . -type f | sort | xargs -r md5sum; ls -la --time-style=+ /data").text
 
 
 def think(env) -> None:

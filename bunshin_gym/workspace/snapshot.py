@@ -422,7 +422,8 @@ def _keep_log(p: Paths, log: Path, name: str) -> Path:
 
 
 #: CRIU log errors that say nothing about the cause (a summary line, a harmless rlimit probe)
-_GENERIC_ERRORS = ("Dumping FAILED", "Restoring FAILED", "RLIMIT_NOFILE", "failed with -1", "Dump files (pid")
+_GENERIC_ERRORS = ("Dumping FAILED", "Restoring FAILED", "RLIMIT_NOFILE", "failed with -1", "Dump files (pid",
+                   "tables-restore", "tables-legacy-restore")
 
 
 def _last_error(log: Path) -> str:
@@ -433,6 +434,9 @@ def _last_error(log: Path) -> str:
     except FileNotFoundError:
         return ""
     errs = [ln for ln in lines if "Error" in ln]
-    specific = [ln for ln in errs if not any(g in ln for g in _GENERIC_ERRORS)]
+    # CRIU's own errors first: tools it runs print theirs too, expected ones included
+    # (`ip addr restore` in a fresh netns: "Error: ipv4: Address already assigned.")
+    criu = [ln for ln in errs if "Error (criu/" in ln]
+    specific = [ln for ln in criu or errs if not any(g in ln for g in _GENERIC_ERRORS)]
     pick = specific or errs or lines[-1:]
     return pick[0].strip()[:300] if pick else ""
