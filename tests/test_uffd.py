@@ -206,6 +206,9 @@ def test_nested_snapshot_of_a_uffd_clone():
             assert "uffd-share:" in text
             missed = _unrecognised_image_vmas(text)
             assert not missed, f"mappings of the tmpfs images not dumped as anonymous memory: {missed}"
+        if uffd._criu_has_delta(paths()):  # the pages the child never wrote stay in the parent's images
+            print(f"\nsnapshot sizes: source {snaps[0].size() >> 20} MiB, child {snaps[1].size() >> 20} MiB")
+            assert (snaps[1].criu_dir / "parent").exists() and snaps[1].size() < snaps[0].size() / 2
         # a grandchild that lost pages crashes or wedges its agent: fail, don't hang
         old = signal.signal(signal.SIGALRM, _alarm)
         signal.alarm(300)
@@ -216,6 +219,11 @@ def test_nested_snapshot_of_a_uffd_clone():
                 res = _results(g, pid)
                 bad = {k: v for k, v in res.items() if v and k not in ("free_rc", "free_errno")}
                 assert not bad, f"grandchild ({mode}): {bad}"
+                if mode == "share":  # the parent's pages are mapped (from its copy), not copied
+                    deadline = time.monotonic() + 5
+                    while uffd.stats(g.id).get("registered_pages", 0) == 0 and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the monitor writes its counters every second
+                    assert uffd.stats(g.id)["registered_pages"] >= SEM_MB * 256, uffd.stats(g.id)
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, old)

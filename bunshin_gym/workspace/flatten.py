@@ -97,7 +97,8 @@ def load_image(path: Path, p: Paths | None = None) -> dict:
         return images.load(f)
 
 
-def _write_image(img: dict, path: Path, p: Paths) -> None:
+def write_image(img: dict, path: Path, p: Paths) -> None:
+    """Write a CRIU image file with pycriu, atomically (a crash leaves the old file)."""
     buf = io.BytesIO()
     pycriu_images(p).dump(img, buf)
     tmp = path.with_name(path.name + ".flatten-tmp")  # not *.img: never copied as an image
@@ -194,7 +195,7 @@ def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
                               "how": how}
         reg["name"] = taken[new_rel]["to"]
     if taken:
-        _write_image(img, files_img, p)
+        write_image(img, files_img, p)
     return {"at": time.time(), "refs_before": sorted(refs_before), "files": list(taken.values()),
             "bytes": sum(f["bytes"] for f in taken.values()), "ms": round((time.perf_counter() - t0) * 1e3, 2)}
 

@@ -139,6 +139,7 @@ class Snapshot:
     def flatten(self) -> dict:
         """Make this snapshot need no other snapshot: take over the ancestors' page files its
         images name and rewrite the images (:mod:`bunshin_gym.workspace.flatten`)."""
+        uffd.materialize(self.criu_dir)  # pages in parent (share-mode deltas) are copied in first
         return flatten.flatten_snapshot(self)
 
     def size(self) -> int:
@@ -214,7 +215,9 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     (path / "criu").mkdir(parents=True)
     times: dict[str, float] = {}
     cg = ws.cgroup
-    dump_env = dict(os.environ, **uffd.dump_env(p))
+    # a share clone's pages it never wrote stay in the parent's images (uffd.dump_delta)
+    delta_args, delta_env = uffd.dump_delta(rec, parent.id if parent else None, p)
+    dump_env = dict(os.environ, **uffd.dump_env(p), **delta_env)
     try:
         ws._quiesce_agent()
         t0 = time.perf_counter()
@@ -227,7 +230,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             t = time.perf_counter()
             freezer = cg.dirs[0] if unified() else cg.dirs[1]
             proc = subprocess.run(
-                [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS,
+                [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
                  "--freeze-cgroup", str(freezer), "-o", "dump.log", "-v4"],
                 capture_output=True, text=True, env=dump_env,
             )
@@ -253,6 +256,8 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     }
     try:
         flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
+        if meta.get("flattened"):
+            uffd.materialize(path / "criu")  # and the pages it has in its parent
     except BaseException:
         _remove_dir(path)
         raise
