@@ -128,7 +128,7 @@ def _cmd_gc(args) -> int:
     from bunshin_gym.workspace import gc
 
     rep = gc.collect(all_workspaces=args.all)
-    for kind in ("workspaces", "subvolumes", "cgroups", "partial_images", "snapshots"):
+    for kind in ("workspaces", "subvolumes", "cgroups", "partial_images", "snapshots", "caches"):
         items = getattr(rep, kind)
         if items:
             print(f"reclaimed {len(items)} {kind.replace('_', ' ')}: {', '.join(items)}")

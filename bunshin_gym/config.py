@@ -83,3 +83,17 @@ def criu_carries(marker: bytes, p: Paths | None = None) -> bool:
     except OSError:
         return False
     return _binary_carries(str(criu), mtime, marker)
+
+
+def criu_env(p: Paths | None = None) -> dict[str, str]:
+    """Environment for every ``criu`` run: the kernel-feature cache file (criu/patches/0015),
+    named by boot and by build so that neither a reboot nor a rebuild reads a stale one. CRIU
+    keeps it in /run only where /run is a tmpfs; elsewhere it probed again in every dump and
+    restore (~25 ms of frozen time)."""
+    p = p or paths()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+        build = (p.criu_prefix / ".stamp").read_text().strip()[:12]
+    except OSError:
+        return {}
+    return {"CRIU_KDAT_CACHE": str(p.run / f"criu-{boot}-{build}.kdat")}

@@ -185,3 +185,24 @@ def test_concurrent_reclaims_of_one_workspace():
         ws.close()
         assert not errors, errors
         assert leftovers([ws.id]) == {}
+
+
+def test_gc_removes_criu_caches_of_other_boots_and_builds_only():
+    """CRIU's kernel-feature cache (criu/patches/0015) is named by boot and build: gc removes
+    the ones of other boots or builds and keeps the current one, which the next dump uses."""
+    from bunshin_gym.config import criu_env
+
+    p = paths()
+    current = Path(criu_env(p)["CRIU_KDAT_CACHE"])
+    stale = p.run / "criu-00000000-000000000000.kdat"
+    stale.write_bytes(b"stale")
+    ws = Workspace.create("base")
+    try:
+        snap = ws.snapshot()
+        snap.delete()
+    finally:
+        ws.close()
+    assert current.exists(), "the dump did not keep CRIU's kernel-feature cache"
+    rep = gc.collect()
+    assert stale.name in rep.caches and not stale.exists()
+    assert current.exists() and current.name not in rep.caches

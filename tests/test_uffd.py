@@ -193,7 +193,7 @@ RESERVE = ("import mmap,time; m=mmap.mmap(-1, 64<<30, flags=mmap.MAP_PRIVATE, pr
            "open('/tmp/reserve.ready','w').close(); time.sleep(1e6)")
 
 
-def test_nested_snapshot_of_a_uffd_clone():
+def test_nested_snapshot_of_a_uffd_clone(monkeypatch):
     """A clone is snapshotted again: its image mappings are dumped as anonymous memory, the
     pages it never wrote stay in the parent's images (a delta), and the grandchild clone (share
     again, and copy) has exact semantics and the same data. A reservation larger than RAM
@@ -202,6 +202,7 @@ def test_nested_snapshot_of_a_uffd_clone():
     made: list[Workspace] = []
     snaps = []
     try:
+        monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "4")  # the VMA lines checked below
         pid = _start_sem(ws)
         ws.spawn(["python3", "-c", RESERVE])
         _wait_file(ws, "/tmp/reserve.ready")
@@ -209,12 +210,10 @@ def test_nested_snapshot_of_a_uffd_clone():
         (child,) = snaps[0].fork(1)
         made.append(child)
         snaps.append(child.snapshot())
-        log = (snaps[1].criu_dir / "dump.log")
-        if log.exists():
-            text = log.read_text(errors="replace")
-            assert "uffd-share:" in text
-            missed = _unrecognised_image_vmas(text)
-            assert not missed, f"mappings of the tmpfs images not dumped as anonymous memory: {missed}"
+        text = (snaps[1].criu_dir / "dump.log").read_text(errors="replace")
+        assert "uffd-share:" in text and "Handling VMA with the following smaps entry" in text
+        missed = _unrecognised_image_vmas(text)
+        assert not missed, f"mappings of the tmpfs images not dumped as anonymous memory: {missed}"
         print(f"\nsnapshot sizes: source {snaps[0].size() >> 20} MiB, child {snaps[1].size() >> 20} MiB")
         assert (snaps[1].criu_dir / "parent").exists() and snaps[1].size() < snaps[0].size() / 2
         # a grandchild that lost pages crashes or wedges its agent: fail, don't hang

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, criu_env, paths
 from bunshin_gym.workspace import cgroups, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.images import build_lock
@@ -20,6 +20,7 @@ class GcReport:
     cgroups: list[str] = field(default_factory=list)
     partial_images: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
+    caches: list[str] = field(default_factory=list)
 
     def total(self) -> int:
         return sum(len(v) for v in vars(self).values())
@@ -65,6 +66,11 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
             for tmp in sorted(p.images.glob(".build-*")) if held else []:
                 pool.delete_subvolume(tmp)
                 rep.partial_images.append(tmp.name)
+    current = criu_env(p).get("CRIU_KDAT_CACHE")
+    for kdat in sorted(p.run.glob("criu-*.kdat*")):  # of an earlier boot or CRIU build
+        if str(kdat) != current:
+            kdat.unlink(missing_ok=True)
+            rep.caches.append(kdat.name)
     return rep
 
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, criu_env, paths
 from bunshin_gym.workspace import flatten, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
@@ -217,7 +217,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     cg = ws.cgroup
     # a share clone's pages it never wrote stay in the parent's images (uffd.dump_delta)
     delta_args, delta_env = uffd.dump_delta(rec, parent.id if parent else None, p)
-    dump_env = dict(os.environ, **uffd.dump_env(p), **delta_env)
+    dump_env = dict(os.environ, **criu_env(p), **uffd.dump_env(p), **delta_env)
     try:
         ws._quiesce_agent()
         t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             freezer = cg.dirs[0] if unified() else cg.dirs[1]
             proc = subprocess.run(
                 [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
-                 "--freeze-cgroup", str(freezer), "-o", "dump.log", "-v4"],
+                 "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
                 capture_output=True, text=True, env=dump_env,
             )
             times["dump_ms"] = _ms(t)
@@ -294,7 +294,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
     logs = p.run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     layer = rec.layer
-    env = dict(os.environ, **memory.restore_env(mode, f"/.snap/{snap.id}/criu"))
+    env = dict(os.environ, **criu_env(p), **memory.restore_env(mode, f"/.snap/{snap.id}/criu"))
     images = snap.criu_dir
     if memory.uses_uffd(mode):  # anonymous memory from a tmpfs copy of the images, served by a monitor
         uffd.start(rec, p)  # first: the record then marks the images as in use
@@ -399,6 +399,12 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
 
 
 # helpers -------------------------------------------------------------------------------
+def dump_verbosity() -> int:
+    """CRIU's log level for dumps, ``BUNSHIN_CRIU_DUMP_VERBOSITY`` (default 3, info). The dump
+    runs while the workspace is frozen: debug logging (4) costs about 30 ms of frozen time."""
+    return int(os.environ.get("BUNSHIN_CRIU_DUMP_VERBOSITY", "3"))
+
+
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 

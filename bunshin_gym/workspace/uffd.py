@@ -50,7 +50,7 @@ CFLAGS = ["-O2", "-Wall"]
 IMAGE_HEADROOM = 64 << 30
 #: the criu binary knows the mechanism if it contains this string (criu/patches/0003-*)
 CRIU_MARKER = b"CRIU_UFFD_SOCK"
-#: ... and dumps clones of a snapshot as deltas of it if it contains this one (criu/patches/0011-*)
+#: ... and dumps clones of a snapshot as deltas of it if it contains this one (criu/patches/0014-*)
 DELTA_MARKER = b"CRIU_UFFD_PARENT"
 
 
@@ -80,19 +80,8 @@ def _kernel_probe(binary: str) -> tuple[bool, str]:
 
 
 def _criu_has_delta(p: Paths) -> bool:
-    """The criu binary can dump share clones as deltas (criu/patches/0011-*)."""
-    try:
-        return _criu_has(str(p.criu), p.criu.stat().st_mtime, DELTA_MARKER)
-    except OSError:
-        return False
-
-
-@cache
-def _criu_has(criu: str, mtime: float, marker: bytes) -> bool:
-    try:
-        return marker in Path(criu).read_bytes()
-    except OSError:
-        return False
+    """The criu binary can dump share clones as deltas (criu/patches/0014-*)."""
+    return criu_carries(DELTA_MARKER, p)
 
 
 def unavailable_reason(p: Paths | None = None) -> str | None:
@@ -145,7 +134,7 @@ def prepare_images(snap_id: str, criu_dir: Path, p: Paths | None = None) -> Path
 
     A snapshot dumped as a delta (:func:`dump_delta`: pages "in parent") links its copy to its
     parent's copy (``parent``, made first), as CRIU links the snapshots: CRIU maps the pages in
-    parent from the parent's copy (criu/patches/0011-*), so clones of parent and child share them."""
+    parent from the parent's copy (criu/patches/0014-*), so clones of parent and child share them."""
     p = p or paths()
     with _images_lock(p) as root:
         return _prepare(root, snap_id, criu_dir)
@@ -329,7 +318,7 @@ def _flatten_pagemaps(criu_dir: Path, out_dir: Path, new_pages_id) -> None:
 def dump_delta(rec: records.Record, parent_id: str | None, p: Paths | None = None) -> tuple[list[str], dict]:
     """``criu dump`` arguments and environment that make a snapshot of a clone served by its
     monitor a delta: the pages it never wrote since its restore from ``parent_id`` are recorded
-    as in the parent (criu/patches/0011-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off."""
+    as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off."""
     p = p or paths()
     if (not parent_id or "uffd" not in rec.extra or os.environ.get("BUNSHIN_UFFD_DELTA", "1") == "0"
             or not (p.run / "uffd-images" / parent_id / ".complete").exists() or not _criu_has_delta(p)):
