@@ -154,7 +154,7 @@ def _cmd_bench(args) -> int:
 
         fork.run(args.json, image=args.image or "base",
                  counts=tuple(int(x) for x in (args.counts or "1,2,4,8,16").split(",")),
-                 modes=tuple((args.modes or "copy,ksm,share,map-anon").split(",")), heap_mb=args.heap_mb,
+                 modes=tuple((args.modes or "copy,ksm,share,share+ksm,map-anon").split(",")), heap_mb=args.heap_mb,
                  plot=args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None))
         return 0
     if args.name == "env":
@@ -235,7 +235,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
     be.add_argument("--modes", default=None,
-                    help="fork, env: memory modes (default copy,ksm,share,map-anon; env: share,copy)")
+                    help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
+                         "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1)")
     be.add_argument("--env", default=None, help="env: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")

@@ -388,6 +388,21 @@ def test_chromium_in_a_desktop_clone_survives_five_minutes_of_activity():
         st = uffd.stats(clone.id)
         print(f"\nchromium clone after 5 min: monitor {st}")
         assert st["remove"] > 0 and st["zeropage"] > 0 and st["errors"] == 0
+        # the soaked clone's snapshot is a delta of the first, and a grandchild's browser answers
+        delta = clone.snapshot()
+        try:
+            print(f"delta snapshot {delta.size() >> 20} MiB of {snap.size() >> 20} MiB")
+            assert (delta.criu_dir / "parent").exists() and delta.size() < snap.size()
+            (grandchild,) = delta.fork(1)
+            try:
+                assert cdp(grandchild, "/json/new?" + urllib.parse.quote(page, safe=""), "PUT")
+                time.sleep(5)
+                titles = [t.get("title", "") for t in json.loads(cdp(grandchild, "/json/list") or "[]")]
+                assert any(t.startswith("soak ") for t in titles), titles
+            finally:
+                grandchild.close()
+        finally:
+            delta.delete()
     finally:
         if clone is not None:
             clone.close()

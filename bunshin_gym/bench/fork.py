@@ -11,17 +11,27 @@ each n in 1, 2, 4, 8, 16 it forks n clones from one snapshot and measures:
 - source frozen time for a first snapshot and for a delta snapshot (a clone's, after one
   small action), split into freeze / files / dump / thaw;
 - CPU spent by ksmd.
+
+Besides the memory modes, ``share+ksm`` is share mode with its clones KSM-mergeable
+(``BUNSHIN_SHARE_KSM=1``): the pages clones write merge where they are equal.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
 
 from bunshin_gym.bench.report import summary, table, write
 from bunshin_gym.workspace import Workspace, uffd
-from bunshin_gym.workspace.memory import MemoryMode, ksmd_cpu_seconds, share_anon_mechanism
+from bunshin_gym.workspace.memory import (
+    SHARE_KSM_ENV,
+    MemoryMode,
+    ksmd_cpu_seconds,
+    share_anon_mechanism,
+    uses_ksm,
+)
 from bunshin_gym.workspace.memstat import group_memory, used_memory
 
 HEAP_PROGRAM = r"""
@@ -93,7 +103,7 @@ def activity(ws: Workspace) -> None:
 
 def _ksm_settle(mode: MemoryMode) -> float:
     """Let ksmd finish its passes (KSM modes only); returns seconds waited."""
-    if not (mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and share_anon_mechanism() == "ksm")):
+    if not uses_ksm(mode):
         return 0.0
     t0, last = time.monotonic(), -1
     full = Path("/sys/kernel/mm/ksm/full_scans")
@@ -108,7 +118,8 @@ def _ksm_settle(mode: MemoryMode) -> float:
 
 
 def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300, procs: int = 3,
-        counts: tuple[int, ...] = (1, 2, 4, 8, 16), modes: tuple[str, ...] = ("copy", "ksm", "share", "map-anon"),
+        counts: tuple[int, ...] = (1, 2, 4, 8, 16),
+        modes: tuple[str, ...] = ("copy", "ksm", "share", "share+ksm", "map-anon"),
         plot: str | None = None) -> dict:
     mechanism = share_anon_mechanism()
     if image == "osworld":
@@ -116,15 +127,18 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
     print(f"bench fork: image {image!r}, {heap_mb} MB heap in {procs} processes; modes {', '.join(modes)}; "
           f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {mechanism}")
     results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
-    for mode in map(MemoryMode.parse, modes):
+    for label in modes:
+        mode, merge = _variant(label)
         src = make_source(image, heap_mb, procs)
         try:
+            if merge:  # "share+ksm": the clones made below are KSM-mergeable too
+                os.environ[SHARE_KSM_ENV] = "1"
             src_mem = group_memory(src.pids())
             first = src.snapshot()
             mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
                           "first_snapshot_mb": round(first.size() / 2**20, 1), "by_n": {}}
             for n in counts:
-                print(f"  {mode.value:>8}  n={n:<2} ", end="", flush=True)
+                print(f"  {label:>9}  n={n:<2} ", end="", flush=True)
                 ksm0 = ksmd_cpu_seconds()
                 with PeakSampler() as peak:
                     t0 = time.perf_counter()
@@ -157,14 +171,22 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                     for c in clones:
                         c.close()
             first.delete()
-            results["modes"][mode.value] = mres
+            results["modes"][label] = mres
         finally:
+            os.environ.pop(SHARE_KSM_ENV, None)
             src.close()
     _summarise(results, counts)
     if plot:
         _plot(results, counts, plot)
         results["plot"] = plot
     return write("fork", results, json_path)
+
+
+def _variant(label: str) -> tuple[MemoryMode, bool]:
+    """A benchmarked mode: a memory mode, or ``share+ksm`` (share, its clones KSM-mergeable)."""
+    if label == "share+ksm":
+        return MemoryMode.SHARE, True
+    return MemoryMode.parse(label), False
 
 
 def _tree_bytes(path: Path) -> int:

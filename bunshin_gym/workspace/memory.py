@@ -13,7 +13,9 @@ clone (memory dropped with ``MADV_DONTNEED`` reads back as zeros); tests check i
               library); anonymous memory is shared by the best exact mechanism available,
               :data:`SHARE_ANON_MECHANISM`: ``"uffd"`` (copy-on-write from the image on tmpfs
               with a userfaultfd monitor, :mod:`bunshin_gym.workspace.uffd`) where the kernel
-              and CRIU support it, else ``"ksm"``.
+              and CRIU support it, else ``"ksm"``. With ``BUNSHIN_SHARE_KSM=1`` the pages
+              uffd clones write are KSM-mergeable too (clones doing the same work write
+              many identical pages; ksmd's CPU is the price, reported by the benchmark).
 ``kmod``      anonymous memory shared copy-on-write from a frozen holder copy of the snapshot
               by the ``bunshin_share`` kernel module (:mod:`bunshin_gym.workspace.kmod`);
               needs the module loaded (``SetupError`` otherwise).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 from enum import StrEnum
 from pathlib import Path
 
@@ -72,7 +75,13 @@ def uses_uffd(mode: MemoryMode) -> bool:
 
 
 def uses_ksm(mode: MemoryMode) -> bool:
-    return mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and share_anon_mechanism() == "ksm")
+    """Whether clones of this mode are made KSM-mergeable (and ksmd is tuned up while they run)."""
+    return mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and (
+        share_anon_mechanism() == "ksm" or os.environ.get(SHARE_KSM_ENV, "0") == "1"))
+
+
+#: set to 1: share mode's uffd clones are KSM-mergeable too (the pages they write merge)
+SHARE_KSM_ENV = "BUNSHIN_SHARE_KSM"
 
 
 def maps_images(mode: MemoryMode) -> bool:

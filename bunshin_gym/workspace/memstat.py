@@ -39,11 +39,25 @@ class GroupMemory:
         return {k: (round(v / 2**20, 1) if k != "processes" else v) for k, v in vars(self).items()}
 
 
+def _resident_maps(pid: int) -> list[str]:
+    """The ``/proc/PID/maps`` lines of the mappings that have resident pages (from ``smaps``:
+    chromium reserves tens of GB it never touches, whose pagemap would be read for nothing)."""
+    out, head = [], None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if not line[:1].isupper() or ":" not in line.split(None, 1)[0]:
+            head = line  # a mapping's header line; its fields follow
+        elif head is not None and line.startswith("Rss:"):
+            if int(line.split()[1]):
+                out.append(head)
+            head = None
+    return out
+
+
 def _frames(pid: int) -> tuple[np.ndarray, np.ndarray]:
     """Physical frame numbers of a process's resident pages: (all, anonymous/private-writable)."""
     frames, anon = [], []
     try:
-        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        maps = _resident_maps(pid)
         fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return np.empty(0, np.uint64), np.empty(0, np.uint64)

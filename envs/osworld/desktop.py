@@ -92,7 +92,7 @@ def boot_desktop(ws: Any, width: int, height: int, terminal: bool = True, timeou
     env = dict(DESKTOP_ENV)
     log = f"{STATE}/desktop.log"
     session_spawn(ws, ["Xvfb", ":0", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-ac",
-                       "-dpi", "96", "+extension", "RANDR"], log=f"{STATE}/xvfb.log")
+                       "-dpi", "96", "+extension", "RANDR", "-extension", "MIT-SHM"], log=f"{STATE}/xvfb.log")
     _wait(lambda: _x_answers(sock_path(ws, X_SOCKET)), timeout, "Xvfb")
     session_spawn(ws, ["dbus-daemon", "--session", f"--address={DBUS_ADDRESS}", "--nofork", "--nopidfile"], log=log)
     _wait(lambda: Path(sock_path(ws, f"{STATE}/dbus")).exists(), timeout, "the session bus")
