@@ -409,3 +409,44 @@ def test_chromium_in_a_desktop_clone_survives_five_minutes_of_activity():
         ws.close()
         if snap is not None:
             snap.delete()
+
+
+def test_share_ksm_merges_the_pages_clones_write_and_keeps_semantics(monkeypatch):
+    """BUNSHIN_SHARE_KSM=1: share clones are KSM-mergeable, so equal pages that two clones
+    write (copies of the image's pages) merge; the data stays right and dropped memory still
+    reads zeros (KSM changes where a page lives, never what a program reads)."""
+    from fork_programs import host
+
+    monkeypatch.setenv(memory.SHARE_KSM_ENV, "1")
+    ws = Workspace.create("base", memory_mode="share")
+    clones, snap = [], None
+    try:
+        host.heap_start(ws, 7001, 32, "ksm")
+        pid = _start_sem(ws)
+        snap = ws.snapshot()
+        clones = snap.fork(2)
+        want = host.heap_expected(32, "ksm", "same")
+        heaps = []
+        for c in clones:
+            assert "uffd" in c._rec.extra
+            assert host.heap(c, 7001, "mutate", "same") == want  # the same 1 MiB written in both
+            [hp] = [p for p in c.pids() if "heap.py" in Path(f"/proc/{p}/cmdline").read_text()]
+            assert "ksm_merge_any: yes" in Path(f"/proc/{hp}/ksm_stat").read_text()
+            heaps.append(hp)
+        deadline = time.monotonic() + 60
+        merged = lambda: sum(int(Path(f"/proc/{hp}/ksm_merging_pages").read_text()) for hp in heaps)  # noqa: E731
+        while merged() < 256 and time.monotonic() < deadline:  # 2 x 1 MiB written, equal
+            time.sleep(0.5)
+        print(f"\nKSM merging pages of the two clones' heap processes: {merged()}")
+        assert merged() >= 256, "the pages both clones wrote did not merge"
+        for c in clones:
+            assert host.heap(c, 7001, "sha") == want
+            res = _results(c, pid)
+            bad = {k: v for k, v in res.items() if v and k not in ("free_rc", "free_errno")}
+            assert not bad, f"{c.id}: semantics violated with KSM: {bad}"
+    finally:
+        for c in clones:
+            c.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()

@@ -27,7 +27,7 @@ from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
-from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release, uses_ksm
+from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
@@ -376,7 +376,7 @@ def reclaim(rec: records.Record, p: Paths | None = None) -> None:
     if cg.exists():
         cg.remove()
     pool.delete_subvolume(Path(rec.subvolume))
-    if uses_ksm(MemoryMode(rec.memory_mode)) and rec.snapshot:
+    if rec.snapshot:  # a no-op unless it was a KSM user (which BUNSHIN_SHARE_KSM at restore decided)
         ksm_release(rec.id)
     records.remove(rec.id, p)
     if rec.snapshot and rec.memory_mode == MemoryMode.KMOD and not kmod.is_holder(rec):
