@@ -12,6 +12,7 @@ from fork_programs.host import DIR, sh
 
 from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.memory import MemoryMode
+from bunshin_gym.workspace.snapshot import network_lock
 
 PORT = 7100
 
@@ -60,9 +61,12 @@ def test_established_tcp_pair_keeps_talking_in_every_clone(mode, kmod_double):
         ws.spawn(["python3", f"{DIR}/tcp_pair.py", "server", str(PORT), "/tmp/tcp-server.state"],
                  log="/tmp/tcp-server.log")
         host.wait_file(ws, "/tmp/tcp-server.state")
+        # a listening socket alone needs no network lock during a dump; a connection does
+        assert network_lock(ws._rec.pid1) == "skip"
         ws.spawn(["python3", f"{DIR}/tcp_pair.py", "client", str(PORT), "/tmp/tcp-client.state"],
                  log="/tmp/tcp-client.log")
         host.wait_file(ws, "/tmp/tcp-client.state")
+        assert network_lock(ws._rec.pid1) == "nftables"
         _, cport = _client(ws)
         conns = _established(ws)
         assert conns == sorted([f"127.0.0.1:{PORT} 127.0.0.1:{cport}", f"127.0.0.1:{cport} 127.0.0.1:{PORT}"])
