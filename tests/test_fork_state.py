@@ -10,7 +10,7 @@ import pytest
 from fork_programs import host
 from fork_programs.host import DIR, heap, sh
 
-from bunshin_gym.workspace import Workspace, uffd
+from bunshin_gym.workspace import Workspace, delta
 from bunshin_gym.workspace.memory import MemoryMode
 
 HEAP_MB = 100
@@ -158,7 +158,7 @@ def test_nested_snapshots_three_levels(mode):
         print(f"[{mode}] criu image sizes per level (MiB): {[round(x / 2**20, 1) for x in sizes]}")
         if mode in ("share", "map-anon"):
             # a child stores its delta: level 1 changed 1 MiB of a 64 MiB heap (share mode: the pages
-            # a clone never wrote are recorded as in the parent's images, uffd.dump_delta)
+            # a clone never wrote are recorded as in the parent's images, delta.dump_delta)
             smaller = sizes[1] < sizes[0] / 2 and sizes[2] < sizes[0] / 2
             assert smaller, f"child images are not deltas: sizes {sizes}"
         if mode == "share":
@@ -172,7 +172,7 @@ def test_nested_snapshots_three_levels(mode):
                 opened.append(c)
                 assert heap(c, PORT, "sha") == want, f"{how} clone of a delta snapshot"
             # made independent of its parent (what flattening does first): the images alone restore it
-            assert uffd.materialize(last.criu_dir) and not (last.criu_dir / "parent").exists()
+            assert delta.materialize(last.criu_dir) and not (last.criu_dir / "parent").exists()
             [c] = last.fork(1, mode="copy")
             opened.append(c)
             assert heap(c, PORT, "sha") == want, "copy clone of a materialized delta snapshot"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import flatten, kmod, memory, pool, records, uffd
+from bunshin_gym.workspace import delta, flatten, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -139,7 +139,7 @@ class Snapshot:
     def flatten(self) -> dict:
         """Make this snapshot need no other snapshot: take over the ancestors' page files its
         images name and rewrite the images (:mod:`bunshin_gym.workspace.flatten`)."""
-        uffd.materialize(self.criu_dir)  # pages in parent (share-mode deltas) are copied in first
+        delta.materialize(self.criu_dir)  # pages in parent (share-mode deltas) are copied in first
         return flatten.flatten_snapshot(self)
 
     def size(self) -> int:
@@ -215,8 +215,8 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     (path / "criu").mkdir(parents=True)
     times: dict[str, float] = {}
     cg = ws.cgroup
-    # a share clone's pages it never wrote stay in the parent's images (uffd.dump_delta)
-    delta_args, delta_env = uffd.dump_delta(rec, parent.id if parent else None, p)
+    # a share clone's pages it never wrote stay in the parent's images (delta.dump_delta)
+    delta_args, delta_env = delta.dump_delta(rec, parent.id if parent else None, p)
     dump_env = dict(os.environ, **criu_env(p), **uffd.dump_env(p), **delta_env)
     try:
         ws._quiesce_agent()
@@ -258,7 +258,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     try:
         flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
         if meta.get("flattened"):
-            uffd.materialize(path / "criu")  # and the pages it has in its parent
+            delta.materialize(path / "criu")  # and the pages it has in its parent
     except BaseException:
         _remove_dir(path)
         raise
