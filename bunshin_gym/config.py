@@ -92,8 +92,12 @@ def criu_env(p: Paths | None = None) -> dict[str, str]:
     restore (~25 ms of frozen time)."""
     p = p or paths()
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
         build = (p.criu_prefix / ".stamp").read_text().strip()[:12]
     except OSError:
         return {}
-    return {"CRIU_KDAT_CACHE": str(p.run / f"criu-{boot}-{build}.kdat")}
+    return {"CRIU_KDAT_CACHE": str(p.run / f"criu-{_boot_id()}-{build}.kdat")}
+
+
+@functools.cache
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]

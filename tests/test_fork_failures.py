@@ -45,7 +45,7 @@ def test_criu_dump_failure_leaves_source_running_and_names_the_log():
     snap = None
     clones = []
     try:
-        host.install(ws, "heap.py", "heapctl.py", "perf_hold.py")
+        host.install(ws, "perf_hold.py")
         host.heap_start(ws, PORT, 8, "fail")
         sh(ws, "echo kept > /root/kept")
         ws.spawn(["python3", f"{DIR}/perf_hold.py", "/tmp/perf.ready"], log="/tmp/perf.log")

@@ -117,7 +117,7 @@ def test_kmod_clones_equal_the_source_through_the_holder(double):
     ws = Workspace.create("base", memory_mode="kmod")
     clones, snap = [], None
     try:
-        host.install(ws, "heap.py", "heapctl.py", "madv")
+        host.install(ws, "madv")
         host.heap_start(ws, PORT, 32, "equal")
         heap(ws, PORT, "incr")
         want = host.heap_expected(32, "equal")

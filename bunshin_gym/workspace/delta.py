@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from bunshin_gym.config import Paths, criu_carries, paths
-from bunshin_gym.workspace import flatten, records
+from bunshin_gym.workspace import flatten, records, uffd
 from bunshin_gym.workspace.errors import ForkError
 
 #: the criu binary dumps share clones as deltas if it contains this string (criu/patches/0014-*)
@@ -167,7 +167,7 @@ def dump_delta(rec: records.Record, parent_id: str | None, p: Paths | None = Non
     as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off."""
     p = p or paths()
     if (not parent_id or "uffd" not in rec.extra or os.environ.get("BUNSHIN_UFFD_DELTA", "1") == "0"
-            or not (p.run / "uffd-images" / parent_id / ".complete").exists() or not criu_has_delta(p)):
+            or not uffd.has_image_copy(parent_id, p) or not criu_has_delta(p)):
         return [], {}
     return ["--prev-images-dir", f"../../{parent_id}/criu"], {"CRIU_UFFD_PARENT": parent_id}
 

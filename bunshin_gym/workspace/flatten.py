@@ -163,9 +163,13 @@ def _link(src: Path, dst: Path) -> str:
 
 def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
     """Take over every file of another snapshot that the images in ``path/criu`` name and
-    rewrite ``files.img`` to name the taken-over files. Returns what was done (for meta.json)."""
+    rewrite ``files.img`` to name the taken-over files. Returns what was done (for meta.json).
+    A share-mode delta first gets the pages it has in its parent (:func:`delta.materialize`)."""
+    from bunshin_gym.workspace import delta  # delta reads and writes images with this module
+
     p = p or paths()
     t0 = time.perf_counter()
+    delta.materialize(path / "criu")
     files_img = path / "criu" / "files.img"
     img = load_image(files_img, p)
     taken: dict[str, dict] = {}
@@ -256,7 +260,7 @@ def _update_uffd_copy(snap: Snapshot, p: Paths) -> None:
     the rewritten files.img too (clones running from it map pages, never files.img)."""
     from bunshin_gym.workspace import uffd
 
-    if not (p.run / "uffd-images" / snap.id / ".complete").exists():
+    if not uffd.has_image_copy(snap.id, p):
         return
     with uffd._images_lock(p) as root:
         d = root / snap.id

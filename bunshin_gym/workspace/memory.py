@@ -111,9 +111,11 @@ def _ksm_state():
     with open(run / "ksm.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         f = run / "ksm.json"
-        state = json.loads(f.read_text()) if f.exists() else {"saved": None, "users": []}
+        before = f.read_text() if f.exists() else ""
+        state = json.loads(before) if before else {"saved": None, "users": []}
         yield state
-        f.write_text(json.dumps(state))
+        if json.dumps(state) != before:  # every reclaim releases; most were never users
+            f.write_text(json.dumps(state))
 
 
 def ksm_acquire(user: str) -> None:

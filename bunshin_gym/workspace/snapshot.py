@@ -139,7 +139,6 @@ class Snapshot:
     def flatten(self) -> dict:
         """Make this snapshot need no other snapshot: take over the ancestors' page files its
         images name and rewrite the images (:mod:`bunshin_gym.workspace.flatten`)."""
-        delta.materialize(self.criu_dir)  # pages in parent (share-mode deltas) are copied in first
         return flatten.flatten_snapshot(self)
 
     def size(self) -> int:
@@ -257,8 +256,6 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     }
     try:
         flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
-        if meta.get("flattened"):
-            delta.materialize(path / "criu")  # and the pages it has in its parent
     except BaseException:
         _remove_dir(path)
         raise
@@ -301,13 +298,14 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         uffd.start(rec, p)  # first: the record then marks the images as in use
         images = uffd.prepare_images(snap.id, snap.criu_dir, p)
         env.update(uffd.restore_env(rec))
-    if memory.uses_ksm(mode):
+    ksm = memory.uses_ksm(mode)
+    if ksm:
         memory.ksm_acquire(rec.id)
     kmod_env, kmod_args = kmod.restore_setup(rec, holder, p)  # anonymous memory from the snapshot's holder
     env.update(kmod_env)
     cmd = [
         f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
-        str(sub / "upper"), str(sub / "work"), "1" if memory.uses_ksm(mode) else "0",
+        str(sub / "upper"), str(sub / "work"), "1" if ksm else "0",
         *Cgroup(rec.cgroup).procs_files, "--",
         # -W: CRIU writes its stats-restore file into the work dir, not into the immutable snapshot
         str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",

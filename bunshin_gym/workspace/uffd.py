@@ -113,6 +113,11 @@ def images_root(p: Paths | None = None) -> Path:
     return root
 
 
+def has_image_copy(snap_id: str, p: Paths | None = None) -> bool:
+    """Whether a complete tmpfs copy of the snapshot's images exists (share clones map it)."""
+    return ((p or paths()).run / "uffd-images" / snap_id / ".complete").exists()
+
+
 @contextlib.contextmanager
 def _images_lock(p: Paths):
     root = images_root(p)
@@ -124,7 +129,7 @@ def _images_lock(p: Paths):
 def prepare_images(snap_id: str, criu_dir: Path, p: Paths | None = None) -> Path:
     """The tmpfs copy of a snapshot's CRIU images (made once; ``criu restore -D`` reads it).
 
-    A snapshot dumped as a delta (:func:`dump_delta`: pages "in parent") links its copy to its
+    A snapshot dumped as a delta (:func:`delta.dump_delta`: pages "in parent") links its copy to its
     parent's copy (``parent``, made first), as CRIU links the snapshots: CRIU maps the pages in
     parent from the parent's copy (criu/patches/0014-*), so clones of parent and child share them."""
     p = p or paths()
