@@ -80,6 +80,17 @@ def test_observation_and_bad_actions_keep_the_env_working(env):
     assert "still-here" in env.unwrapped.terminal_output()
 
 
+def test_terminal_observation_waits_until_the_transcript_is_quiet(env):
+    """A transcript still being written (as right after typed keys) is read once it settles:
+    lines arriving 100 ms apart for 0.6 s are all in the observation taken at their start."""
+    from bunshin_gym.envs.osworld import desktop
+
+    env.reset(options={"task": "osworld/terminal-mkdir-projects"})
+    env.unwrapped.workspace.spawn(
+        ["sh", "-c", f"for i in 1 2 3 4 5 6; do echo quiet-$i >> {desktop.TERMINAL_LOG}; sleep 0.1; done"])
+    assert "quiet-6" in env.unwrapped.terminal_output()
+
+
 def test_computer_13_actions():
     e = make(action_space="computer_13", require_terminal=True)
     try:

@@ -49,6 +49,8 @@ ACTION_TYPES = ("MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DO
 BUTTONS = ("left", "right", "middle")
 MAX_CODE = 65536
 MAX_TEXT = 1 << 20
+#: the terminal transcript counts as settled once unchanged for this long (seconds)
+TERMINAL_QUIET_S = 0.15
 CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t\r"
 
 
@@ -282,11 +284,21 @@ class OSWorldEnv(WorkspaceEnv):
         return res.text
 
     def terminal_output(self) -> str:
-        """What the terminal shows: its transcript, escape sequences removed (last 16 kB)."""
+        """What the terminal shows once it is quiet: its transcript, escape sequences removed
+        (last 16 kB). Typed keys reach the shell, and its echo xterm's log, some milliseconds
+        after the action returns: the transcript is read until it stays the same for
+        TERMINAL_QUIET_S (at most 2 s), so an observation does not depend on that race."""
         try:
             raw = self.workspace.read_file(desktop.TERMINAL_LOG)
         except Exception:  # noqa: BLE001 - no terminal
             return ""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(TERMINAL_QUIET_S)
+            again = self.workspace.read_file(desktop.TERMINAL_LOG)
+            if again == raw:
+                break
+            raw = again
         return desktop.terminal_text(raw[-65536:])
 
     def workspace_spawn(self, cmd: str | list[str]) -> int:
