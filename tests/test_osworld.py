@@ -91,6 +91,16 @@ def test_terminal_observation_waits_until_the_transcript_is_quiet(env):
     assert "quiet-6" in env.unwrapped.terminal_output()
 
 
+def test_every_font_directory_is_cached_by_the_image(env):
+    """An app scanning fonts finds the image's system cache valid and writes no per-user cache:
+    otherwise the first app to scan writes ~/.fontconfig at a timing-dependent moment, and two
+    runs of one task end with different home directories."""
+    out = env.unwrapped.workspace.exec(
+        "d=$(mktemp -d) && HOME=$d XDG_CACHE_HOME=$d/.cache fc-list >/dev/null && find $d -type f; rm -rf $d",
+        user="user")
+    assert out.text.strip() == "", f"fontconfig wrote a per-user cache: {out.text}"
+
+
 def test_computer_13_actions():
     e = make(action_space="computer_13", require_terminal=True)
     try:
