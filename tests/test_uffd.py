@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bunshin_gym.config import paths
-from bunshin_gym.workspace import AgentError, Workspace, WorkspaceClosed, memory, records, uffd
+from bunshin_gym.workspace import AgentError, Workspace, WorkspaceClosed, memory, memstat, records, uffd
 
 HERE = Path(__file__).parent / "uffd_programs"
 DIR = "/opt/uffdtest"
@@ -167,6 +167,35 @@ def test_clones_share_unwritten_anonymous_memory():
         for c in clones:
             c.close()
         ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+def test_copied_pages_tell_what_a_clone_changed_from_what_it_rewrote():
+    """memstat.copied_pages, which the fork benchmark uses to split what activity costs a share
+    clone: 1 MiB a clone overwrites with new bytes counts as changed, 1 MiB it writes again
+    with the bytes it held as unchanged (both are private copies of image pages)."""
+    from fork_programs import host
+
+    ws = Workspace.create("base", memory_mode="share")
+    clones, snap = [], None
+    try:
+        host.heap_start(ws, 7002, 32, "copied")
+        snap = ws.snapshot()
+        clones = snap.fork(1)
+        device = os.stat(uffd.images_root()).st_dev
+        before = memstat.copied_pages(clones[0].pids(), device)
+        want = host.heap_expected(32, "copied", "a")
+        assert host.heap(clones[0], 7002, "mutate", "a") == want
+        assert host.heap(clones[0], 7002, "rewrite", "b") == want
+        after = memstat.copied_pages(clones[0].pids(), device)
+        print(f"\ncopied pages before {before.as_mb()} after {after.as_mb()}")
+        mib, slack = 1 << 20, 1 << 20  # the interpreter's own writes (refcounts, the patch it computes)
+        assert mib <= after.changed - before.changed <= mib + slack
+        assert mib <= after.unchanged - before.unchanged <= mib + slack
+        assert memstat.copied_pages(ws.pids(), device) == memstat.CopiedPages(0, 0), "the source maps no image"
+    finally:
+        host.close_all(clones, ws)
         if snap is not None:
             snap.delete()
 

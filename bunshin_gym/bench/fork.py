@@ -31,8 +31,9 @@ from bunshin_gym.workspace.memory import (
     ksmd_cpu_seconds,
     share_anon_mechanism,
     uses_ksm,
+    uses_uffd,
 )
-from bunshin_gym.workspace.memstat import group_memory, used_memory
+from bunshin_gym.workspace.memstat import CopiedPages, copied_pages, group_memory, used_memory
 
 HEAP_PROGRAM = r"""
 import os, signal, time
@@ -129,6 +130,7 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
     results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
     for label in modes:
         mode, merge = _variant(label)
+        by_uffd = uses_uffd(mode)
         src = make_source(image, heap_mb, procs)
         try:
             if merge:  # "share+ksm": the clones made below are KSM-mergeable too
@@ -147,12 +149,13 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                 try:
                     settle = _ksm_settle(mode)
                     pids = [p for c in clones for p in c.pids()]
-                    after_restore = group_memory(pids)
+                    after_restore, copied_restore = group_memory(pids), _copied(clones, by_uffd)
                     for c in clones:
                         activity(c)
                     time.sleep(0.5)
                     settle += _ksm_settle(mode)
                     after_activity = group_memory([p for c in clones for p in c.pids()])
+                    copied_activity = _copied(clones, by_uffd)
                     row = {
                         "fanout_s": round(fanout, 3), "per_clone_restore_s": round(fanout / n, 3),
                         "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
@@ -161,6 +164,8 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                         "monitor_cpu_s": round(uffd.cpu_seconds([c.id for c in clones]), 3),
                         "uffd_images_mb": round(_tree_bytes(uffd.images_root()) / 2**20, 1),
                     }
+                    if copied_activity is not None:
+                        row["activity_copies_per_clone_mb"] = _activity_cost(copied_restore, copied_activity, n)
                     if n == counts[0]:
                         row.update(_delta_and_rollback(clones[0]))
                     mres["by_n"][str(n)] = row
@@ -194,6 +199,20 @@ def _tree_bytes(path: Path) -> int:
     if not path.exists():
         return 0
     return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+
+
+def _copied(clones: list[Workspace], by_uffd: bool) -> CopiedPages | None:
+    """Private copies the clones hold of their page images' pages (share clones served by uffd)."""
+    if not by_uffd:
+        return None
+    return copied_pages([p for c in clones for p in c.pids()], os.stat(uffd.images_root()).st_dev)
+
+
+def _activity_cost(before: CopiedPages, after: CopiedPages, n: int) -> dict:
+    """Private copies of image pages the activity made per share clone, in MB: those it changed,
+    and those it wrote again with the bytes they held (a repaint of the same pixels)."""
+    return {"changed": round((after.changed - before.changed) / n / 2**20, 1),
+            "unchanged": round((after.unchanged - before.unchanged) / n / 2**20, 1)}
 
 
 def _delta_and_rollback(clone: Workspace) -> dict:
@@ -239,6 +258,20 @@ def _summarise(res: dict, counts: tuple[int, ...]) -> None:
         print("\nmemory after activity relative to copy: "
               + ", ".join(f"{k} {v:.3f}x" for k, v in res["ratio_vs_copy"].items())
               + "   (target: share <= 0.15x)")
+        share = modes.get("share", {}).get("by_n", {}).get(n_max, {})
+        if "activity_copies_per_clone_mb" in share:
+            _print_floor(res, share, int(n_max), copy_mem)
+
+
+def _print_floor(res: dict, share: dict, n: int, copy_mem: float) -> None:
+    """What the activity's own writes cost: share less the copies of pages rewritten with the
+    same bytes is what any copy-on-write by pages pays, however it shares unwritten memory."""
+    cost = share["activity_copies_per_clone_mb"]
+    floor = share["after_activity"]["unique"] - n * cost["unchanged"]
+    res["page_cow_floor"] = {"mb": round(floor, 1), "ratio_vs_copy": round(floor / copy_mem, 3)}
+    print(f"activity, per share clone: {cost['changed']} MB of image pages changed, {cost['unchanged']} MB rewritten "
+          f"with the bytes they held;\nfloor of any page-granular copy-on-write for these writes (share less the "
+          f"rewritten copies): {floor:.1f} MB = {floor / copy_mem:.3f}x of copy")
 
 
 def _plot(res: dict, counts: tuple[int, ...], path: str) -> None:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _PFN_MASK = np.uint64((1 << 55) - 1)
 _PRESENT = np.uint64(1 << 63)
+_FILE_OR_SHARED = np.uint64(1 << 61)  # pagemap: a page-cache (or shared anonymous) page
 
 
 @dataclass
@@ -111,6 +113,68 @@ def group_memory(pids: list[int]) -> GroupMemory:
     uniq = lambda xs: int(np.unique(np.concatenate(xs)).size) if xs else 0  # noqa: E731
     return GroupMemory(unique=uniq(all_frames) * PAGE, unique_anon=uniq(anon_frames) * PAGE,
                        pss=roll["Pss"], rss=roll["Rss"], processes=len(pids))
+
+
+@dataclass
+class CopiedPages:
+    """Private copies a group made of pages of files it maps ``MAP_PRIVATE`` (copy-on-write),
+    by whether the copy still holds the file page's content. A share clone's anonymous memory
+    is such a mapping of its snapshot's page image: ``changed`` is what the clone really wrote,
+    ``unchanged`` pages a program rewrote with the bytes they held (a repaint of the same pixels)."""
+
+    unchanged: int  # bytes
+    changed: int
+
+    def as_mb(self) -> dict:
+        return {k: round(v / 2**20, 1) for k, v in vars(self).items()}
+
+
+def _compare_copies(pagemap: int, mem: int, backing: int, fields: list[str]) -> tuple[int, int]:
+    """(unchanged, changed) private copies in one mapping of ``backing``."""
+    start, end = (int(x, 16) for x in fields[0].split("-"))
+    entries = np.frombuffer(os.pread(pagemap, (end - start) // PAGE * 8, start // PAGE * 8), np.uint64)
+    same = changed = 0
+    for i in np.nonzero((entries & _PRESENT != 0) & (entries & _FILE_OR_SHARED == 0))[0].tolist():
+        try:
+            ours = os.pread(mem, PAGE, start + i * PAGE)
+        except OSError:
+            break  # unmapped meanwhile
+        theirs = os.pread(backing, PAGE, int(fields[2], 16) + i * PAGE).ljust(PAGE, b"\0")
+        same, changed = (same + 1, changed) if ours == theirs else (same, changed + 1)
+    return same, changed
+
+
+def copied_pages(pids: list[int], device: int) -> CopiedPages:
+    """Private copies the processes made of pages of files on ``device`` (``st_dev``), e.g. the
+    tmpfs of share clones' page images (:func:`bunshin_gym.workspace.uffd.images_root`)."""
+    same = changed = 0
+    for pid in pids:
+        with contextlib.ExitStack() as files:
+            def fd(path: str) -> int:
+                n = os.open(path, os.O_RDONLY)
+                files.callback(os.close, n)
+                return n
+
+            try:
+                maps = _resident_maps(pid)
+                pagemap, mem = fd(f"/proc/{pid}/pagemap"), fd(f"/proc/{pid}/mem")
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue  # the process exited meanwhile
+            for line in maps:
+                fields = line.split()
+                if len(fields) < 6 or fields[1][3] != "p" or not fields[5].startswith("/"):
+                    continue
+                try:  # the mapped file itself, whatever path the process sees it under
+                    backing = os.open(f"/proc/{pid}/map_files/{fields[0]}", os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    if os.fstat(backing).st_dev == device:
+                        s, c = _compare_copies(pagemap, mem, backing, fields)
+                        same, changed = same + s, changed + c
+                finally:
+                    os.close(backing)
+    return CopiedPages(unchanged=same * PAGE, changed=changed * PAGE)
 
 
 def used_memory() -> int:

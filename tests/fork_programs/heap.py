@@ -9,6 +9,7 @@ Allocates MB MiB of deterministic pseudo-random bytes (SHAKE-256 of SEED) in one
     incr           increment a counter kept in memory, answer the new value
     get            the counter
     mutate SEED    overwrite 1 MiB at an offset derived from SEED, answer the new sha256
+    rewrite SEED   write that 1 MiB again with the bytes it holds (no change), answer the sha256
     pid            this process's pid (inside the workspace)
 
 When the heap is filled and the socket listens, the process writes READY_FILE (if given).
@@ -56,6 +57,10 @@ def main() -> None:
                 patch = hashlib.shake_256(("mutate-" + cmd[1]).encode()).digest(1 << 20)
                 off = int(hashlib.sha256(cmd[1].encode()).hexdigest(), 16) % (len(heap) - len(patch))
                 heap[off:off + len(patch)] = patch
+                out = hashlib.sha256(heap).hexdigest()
+            elif cmd[0] == "rewrite":
+                off = int(hashlib.sha256(cmd[1].encode()).hexdigest(), 16) % (len(heap) - (1 << 20))
+                heap[off:off + (1 << 20)] = bytes(heap[off:off + (1 << 20)])
                 out = hashlib.sha256(heap).hexdigest()
             elif cmd[0] == "pid":
                 out = str(os.getpid())
