@@ -10,8 +10,8 @@ each n in 1, 2, 4, 8, 16 it forks n clones from one snapshot and measures:
   memory during the fork; on the desktop also after one agent step before the activity (a
   command typed into the terminal);
 - what the activity wrote in share clones: private copies of image pages it changed, and
-  those it rewrote with the same bytes; share less the latter is the floor any copy-on-write
-  by pages pays for these writes;
+  those it rewrote with the same bytes; share less the latter is a floor for any copy-on-write
+  by pages, even one that skipped same-byte rewrites;
 - fan-out time and per-clone restore time; rollback time;
 - source frozen time for a first snapshot and for a delta snapshot (a clone's, after one
   small action), split into freeze / files / dump / thaw;
@@ -283,18 +283,19 @@ def _summarise(res: dict, counts: tuple[int, ...]) -> None:
             print(f"  {k.replace('_', ' '):<15}" + ", ".join(f"{mode} {v:.3f}x" for mode, v in ratios.items()))
         share = modes.get("share", {}).get("by_n", {}).get(n_max, {})
         if "activity_copies_per_clone_mb" in share:
-            _print_floor(res, share, int(n_max), modes["copy"]["by_n"][n_max]["after_activity"]["unique"])
+            _print_write_floor(res, share, int(n_max), modes["copy"]["by_n"][n_max]["after_activity"]["unique"])
 
 
-def _print_floor(res: dict, share: dict, n: int, copy_mem: float) -> None:
-    """What the activity's own writes cost: share less the copies of pages rewritten with the
-    same bytes is what any copy-on-write by pages pays, however it shares unwritten memory."""
+def _print_write_floor(res: dict, share: dict, n: int, copy_mem: float) -> None:
+    """What the activity's own writes cost: every copy-on-write by pages (uffd, the kernel
+    module, fork) copies each page written; even one that could skip pages rewritten with the
+    bytes they held would still hold share's memory less those copies."""
     cost = share["activity_copies_per_clone_mb"]
     floor = share["after_activity"]["unique"] - n * cost["unchanged"]
-    res["page_cow_floor"] = {"mb": round(floor, 1), "ratio_vs_copy": round(floor / copy_mem, 3)}
+    res["share_without_same_byte_copies"] = {"mb": round(floor, 1), "ratio_vs_copy": round(floor / copy_mem, 3)}
     print(f"activity, per share clone: {cost['changed']} MB of image pages changed, {cost['unchanged']} MB rewritten "
-          f"with the bytes they held;\nfloor of any page-granular copy-on-write for these writes (share less the "
-          f"rewritten copies): {floor:.1f} MB = {floor / copy_mem:.3f}x of copy")
+          f"with the bytes they held;\nshare without the latter (a floor for copy-on-write by pages, even one that "
+          f"skipped same-byte rewrites): {floor:.1f} MB = {floor / copy_mem:.3f}x of copy")
 
 
 def _plot(res: dict, counts: tuple[int, ...], path: str) -> None:
