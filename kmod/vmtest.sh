@@ -5,6 +5,10 @@
 #   vmtest.sh build    install what is missing, build module + test program
 #   vmtest.sh test     build, boot, run the functional tests (exit 1 on failure)
 #   vmtest.sh bench    build, boot, time sharing vs copying (BUNSHIN_KMOD_MIB, default 1024)
+#   vmtest.sh e2e      build, boot with the host's root file system (virtio-9p, read-only,
+#                      overlay) and run the workspace "kmod" memory mode for real: real module,
+#                      real CRIU, real workspaces (tests/test_kmod_e2e.py + a kmod/copy
+#                      memory comparison written to build/e2e.json)
 #
 # Idempotent and cached: packages are installed once, the kernel image is
 # fetched once into $BUNSHIN_KMOD_CACHE, builds are incremental.
@@ -105,6 +109,7 @@ if [ ! -x "$BUILD/kmodtest" ] || [ "$HERE/tests/kmodtest.c" -nt "$BUILD/kmodtest
 		-o "$BUILD/kmodtest" "$HERE/tests/kmodtest.c"
 fi
 [ "$MODE" = build ] && { log "built $BUILD/mod/bunshin_share.ko"; exit 0; }
+[ "$MODE" = e2e ] && { . "$HERE/e2e.sh"; exit $?; }
 
 # initramfs: busybox, /init, the modules, the test program.
 R=$BUILD/initramfs
