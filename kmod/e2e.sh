@@ -93,14 +93,14 @@ LOG=$BUILD/serial-e2e.log
 log "booting (e2e, $E2E_MEM, timeout ${E2E_TIMEOUT}s, serial log $LOG); pytest $E2E_PYTEST"
 set +e
 start=$(date +%s)
-# stdbuf/tee: progress on the terminal while the log is written
+# tee: progress on the terminal while the log is written (tr line-buffered)
 $NICE timeout --kill-after=10 "$E2E_TIMEOUT" qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m "$E2E_MEM" \
 	-display none -monitor none -serial stdio -no-reboot \
 	-kernel "$KCACHE/vmlinuz" -initrd "$BUILD/initramfs-e2e.cpio.gz" \
 	-virtfs "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap" \
 	-drive "file=$POOL_IMG,if=virtio,format=raw,cache=unsafe,discard=unmap" \
 	-append "console=ttyS0 oops=panic panic=-1 transparent_hugepage=madvise" \
-	</dev/null 2>&1 | tr -d '\r' | tee "$LOG" | grep --line-buffered -E "^(== |BUNSHIN_KMOD_RESULT|E2E_)" >&2
+	</dev/null 2>&1 | stdbuf -oL tr -d '\r' | tee "$LOG" | grep --line-buffered -E "^(== |BUNSHIN_KMOD_RESULT|E2E_)|::.* (PASSED|FAILED|ERROR|SKIPPED)" >&2
 qrc=${PIPESTATUS[0]}
 set -e
 log "VM ran $(($(date +%s) - start)) s (qemu exit $qrc)"

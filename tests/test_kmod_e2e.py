@@ -140,6 +140,38 @@ def test_kmod_rollback_and_ephemeral_fork_with_the_module(real_module):
         ws.close()
 
 
+@needs_module
+def test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode(real_module):
+    """A kmod clone's memory (mostly the holder's pages) is dumped like any other; its snapshot
+    gets a holder of its own, from which the next generation is shared."""
+    ws = Workspace.create("base", memory_mode="kmod")
+    clones, snaps = [], []
+    try:
+        host.heap_start(ws, PORT, 8, "gen")
+        snaps.append(ws.snapshot())
+        [a] = snaps[0].fork(1)
+        clones.append(a)
+        heap(a, PORT, "mutate", "a1")
+        heap(a, PORT, "incr")
+        snaps.append(a.snapshot())
+        [b] = snaps[1].fork(1)
+        clones.append(b)
+        served = b._rec.extra["kmod"]
+        print(f"\nsecond generation {b.id}: {served}")
+        assert served["mechanism"] == "module" and served["pages_shared"] * PAGE > 8 * 2**20
+        assert heap(b, PORT, "sha") == host.heap_expected(8, "gen", "a1") and heap(b, PORT, "get") == "1"
+        assert len(_holders(snaps[0].id)) == 1 and len(_holders(snaps[1].id)) == 1
+        heap(b, PORT, "mutate", "b1")
+        assert heap(a, PORT, "sha") == host.heap_expected(8, "gen", "a1")
+        assert heap(ws, PORT, "sha") == host.heap_expected(8, "gen")
+        b.close()
+        assert _holders(snaps[1].id) == []
+    finally:
+        host.close_all(clones, ws)
+        for s in reversed(snaps):
+            s.delete()
+
+
 @pytest.mark.slow
 @pytest.mark.vm
 def test_kmod_e2e_in_vm():
@@ -152,4 +184,5 @@ def test_kmod_e2e_in_vm():
     assert "BUNSHIN_KMOD_RESULT: PASS" in log
     assert "PASSED tests/test_kmod_e2e.py::test_kmod_clones_map_the_holders_pages_copy_on_write" in log
     assert "PASSED tests/test_kmod_e2e.py::test_kmod_rollback_and_ephemeral_fork_with_the_module" in log
+    assert "PASSED tests/test_kmod_e2e.py::test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode" in log
     assert (REPO / "kmod/build/e2e.json").exists()

@@ -81,7 +81,7 @@ export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 rc=0
 step "pytest $E2E_PYTEST"
 eval "set -- $E2E_PYTEST"	# shell words: BUNSHIN_KMOD_E2E_PYTEST="tests/x.py -k 'a or b'"
-.venv/bin/python -m pytest -p no:cacheprovider -q -rA "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -v -rA "$@"
 prc=$?
 step "pytest exit $prc"
 [ "$prc" = 0 ] || rc=1
