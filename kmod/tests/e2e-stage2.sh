@@ -79,6 +79,10 @@ cd "$E2E_REPO" || die "cd $E2E_REPO"
 unset BUNSHIN_KMOD_DOUBLE
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 rc=0
+# what every kmod clone pays besides the sharing: CRIU's pre-resume action starts this interpreter
+t=$(date +%s%N)
+.venv/bin/python -c "from bunshin_gym.workspace.kmod import main" || die "importing bunshin_gym.workspace.kmod"
+step "the kmod action script's python start + import: $((($(date +%s%N) - t) / 1000000)) ms"
 step "pytest $E2E_PYTEST"
 eval "set -- $E2E_PYTEST"	# shell words: BUNSHIN_KMOD_E2E_PYTEST="tests/x.py -k 'a or b'"
 .venv/bin/python -m pytest -p no:cacheprovider -v -rA "$@"

@@ -34,6 +34,7 @@ from bunshin_gym.workspace.memstat import group_memory  # noqa: E402
 N = int(os.environ.get("BUNSHIN_E2E_CLONES", "4"))
 MB = int(os.environ.get("BUNSHIN_E2E_HEAP_MB", "64"))
 PORT = 7331
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def say(msg: str) -> None:
@@ -48,6 +49,39 @@ def measure(pids: list[int]) -> dict:
 
 def pids_of(*recs: records.Record) -> list[int]:
     return [pid for r in recs for pid in Cgroup(r.cgroup).pids()]
+
+
+def _pfns(pagemap: int, start: int, end: int):
+    raw = os.pread(pagemap, (end - start) // PAGE * 8, start // PAGE * 8)
+    for i in range(len(raw) // 8):
+        e = int.from_bytes(raw[8 * i:8 * i + 8], "little")
+        yield (e & ((1 << 55) - 1)) if e >> 63 else None
+
+
+def own_pages(clone: records.Record, holder: records.Record) -> list[str]:
+    """Where a kmod clone's anonymous memory is its own (present, not the holder's frame at the
+    same address): the ranges served by copying plus whatever the clone wrote since it resumed."""
+    cpids = kmod.tree_by_ns_pid(clone.pid1, Cgroup(clone.cgroup).pids())
+    hpids = kmod.tree_by_ns_pid(holder.pid1, Cgroup(holder.cgroup).pids())
+    out = []
+    for inner, cpid in sorted(cpids.items()):
+        hpid = hpids.get(inner)
+        if hpid is None:
+            continue
+        comm = Path(f"/proc/{cpid}/comm").read_text().strip()
+        cfd, hfd = os.open(f"/proc/{cpid}/pagemap", os.O_RDONLY), os.open(f"/proc/{hpid}/pagemap", os.O_RDONLY)
+        try:
+            for v in kmod.parse_maps(Path(f"/proc/{cpid}/maps").read_text()):
+                if not v.private_anon:
+                    continue
+                own = sum(1 for c, h in zip(_pfns(cfd, v.start, v.end), _pfns(hfd, v.start, v.end), strict=True)
+                          if c is not None and c != h)
+                if own:
+                    out.append(f"{comm}:{v.path or hex(v.start)}({v.perms}) {own}")
+        finally:
+            os.close(cfd)
+            os.close(hfd)
+    return out
 
 
 def main() -> int:
@@ -75,14 +109,18 @@ def main() -> int:
             fork_s = round(time.perf_counter() - t, 2)
             try:
                 say(f"{N} {mode} clones forked in {fork_s} s")
+                if mode == "kmod":
+                    [holder] = [r for r in records.all_records() if r.extra.get(kmod.HOLDER_KEY) == snap.id]
+                    own = own_pages(clones[0]._rec, holder)
+                    say(f"pages of clone 0 not the holder's (process:vma pages): {', '.join(own)}")
                 for c in clones:
                     assert heap(c, PORT, "sha") == want, f"{c.id}: heap differs"
                 recs = [c._rec for c in clones]
                 row = {"fork_s": fork_s, "clones": measure(pids_of(*recs))}
                 if holder_s is not None:
                     row["holder_s"] = holder_s
+                    row["own_pages_clone0"] = own
                 if mode == "kmod":
-                    [holder] = [r for r in records.all_records() if r.extra.get(kmod.HOLDER_KEY) == snap.id]
                     row["clones_and_holder"] = measure(pids_of(*recs, holder))
                     row["served"] = [c._rec.extra["kmod"] for c in clones]
                 for i, c in enumerate(clones):
