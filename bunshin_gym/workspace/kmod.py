@@ -38,7 +38,7 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -251,6 +251,7 @@ class ShareStats:
     pages_shared: int = 0
     pages_copied: int = 0  # by the test double, or ranges the module refused
     fallback_ranges: int = 0
+    fallback_reasons: dict[str, int] = field(default_factory=dict)  # why: "protections", "EBUSY", ...
     mechanism: str = ""
     ms: float = 0.0
 
@@ -274,17 +275,18 @@ def share_tree(holder_pids: dict[int, int], clone_pids: dict[int, int], use: Sha
         stats.processes += 1
         for r in ranges:
             stats.ranges += 1
-            if not r.same_prot:
+            why = None if r.same_prot else "protections"
+            if why is None:
+                try:
+                    served = use.share(src, dst, r.start, r.length)
+                except OSError as e:
+                    if e.errno not in (errno.EBUSY, errno.EOPNOTSUPP):
+                        raise
+                    why = errno.errorcode[e.errno]
+            if why is not None:  # copied, so the clone stays exact
                 stats.pages_copied += fallback.share(src, dst, r.start, r.length)
                 stats.fallback_ranges += 1
-                continue
-            try:
-                served = use.share(src, dst, r.start, r.length)
-            except OSError as e:
-                if e.errno not in (errno.EBUSY, errno.EOPNOTSUPP):
-                    raise
-                stats.pages_copied += fallback.share(src, dst, r.start, r.length)
-                stats.fallback_ranges += 1
+                stats.fallback_reasons[why] = stats.fallback_reasons.get(why, 0) + 1
                 continue
             if isinstance(use, MemCopySharer):
                 stats.pages_copied += served
