@@ -18,17 +18,13 @@ need_pkgs btrfs-progs kmod
 # 1. the guest kernel's whole module tree, unpacked from the same package as vmlinuz (never
 #    installed) and indexed by depmod, so that modprobe and the kernel's module autoloading
 #    (nf_tables for CRIU's network lock, the sock_diag modules CRIU reads sockets with) work
+case "$KCACHE" in /tmp/* | /run/* | /dev/*)
+	die "BUNSHIN_KMOD_CACHE=$CACHE is under /tmp, /run or /dev, which the VM mounts afresh: the VM would not see the kernel modules" ;;
+esac
 MODROOT=$KCACHE/modroot
 MODDIR=$MODROOT/lib/modules/$KVER
 if [ ! -f "$MODDIR/modules.dep" ]; then
-	ver=$(dpkg-query -W -f='${Version}' "linux-headers-$KVER")
-	log "fetching linux-image-$KVER-unsigned=$ver for its modules"
-	mkdir -p "$KCACHE/dl"
-	apt_update_once
-	( cd "$KCACHE/dl" && rm -f ./*.deb &&
-	  apt-get download "linux-image-$KVER-unsigned=$ver" 2>&1 | grep -v "unsandboxed" >&2 || true )
-	deb=$(ls "$KCACHE"/dl/linux-image-*.deb 2>/dev/null | head -1)
-	[ -n "$deb" ] || die "download of linux-image-$KVER-unsigned failed"
+	deb=$(kernel_deb " for its modules")
 	rm -rf "$MODROOT" && mkdir -p "$MODROOT"
 	dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$MODROOT" "./lib/modules/$KVER"
 	depmod -b "$MODROOT" "$KVER" || die "depmod failed"

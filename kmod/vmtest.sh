@@ -73,15 +73,23 @@ log "kernel $KVER"
 # The kernel image: downloaded and unpacked, never installed (installing it
 # would pull initramfs-tools and touch the host's boot setup).
 KCACHE=$CACHE/$KVER
-if [ ! -f "$KCACHE/vmlinuz" ] || [ ! -f "$KCACHE/zram.ko" ]; then
+# kernel_deb NOTE: download linux-image-$KVER-unsigned of exactly the headers' version into
+# $KCACHE/dl and print its path; NOTE ends the log line (the caller removes $KCACHE/dl).
+kernel_deb() {
+	local ver deb
 	mkdir -p "$KCACHE/dl"
 	ver=$(dpkg-query -W -f='${Version}' "linux-headers-$KVER")
-	log "fetching linux-image-$KVER-unsigned=$ver"
+	log "fetching linux-image-$KVER-unsigned=$ver$1"
 	apt_update_once
 	( cd "$KCACHE/dl" && rm -f ./*.deb &&
 	  apt-get download "linux-image-$KVER-unsigned=$ver" 2>&1 | grep -v "unsandboxed" >&2 || true )
 	deb=$(ls "$KCACHE"/dl/linux-image-*.deb 2>/dev/null | head -1)
 	[ -n "$deb" ] || die "download of linux-image-$KVER-unsigned failed"
+	echo "$deb"
+}
+
+if [ ! -f "$KCACHE/vmlinuz" ] || [ ! -f "$KCACHE/zram.ko" ]; then
+	deb=$(kernel_deb "")
 	rm -rf "$KCACHE/x" && mkdir -p "$KCACHE/x"
 	dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$KCACHE/x" "./boot/vmlinuz-$KVER" \
 		"./lib/modules/$KVER/kernel/drivers/block/zram/zram.ko" \
@@ -116,6 +124,7 @@ R=$BUILD/initramfs
 rm -rf "$R" && mkdir -p "$R"/{bin,dev,proc,sys,tmp}
 cp /bin/busybox "$R/bin/busybox"
 cp "$HERE/tests/init.sh" "$R/init"
+cp "$HERE/tests/kernel-log.sh" "$R/kernel-log.sh"
 chmod 755 "$R/init"
 cp "$BUILD/mod/bunshin_share.ko" "$KCACHE/zram.ko" "$KCACHE/zsmalloc.ko" "$BUILD/kmodtest" "$R/"
 ( cd "$R" && find . | cpio -o -H newc --quiet ) | gzip -1 > "$BUILD/initramfs.cpio.gz"

@@ -96,17 +96,9 @@ if [ "${E2E_MEMORY:-1}" = 1 ]; then
 fi
 
 step "leftovers: $(ls "$BUNSHIN_POOL/workspaces" | wc -l) workspace subvolumes, $(ls "$BUNSHIN_POOL/snapshots" | wc -l) snapshots"
-if ! rmmod bunshin_share; then
-	echo "== rmmod failed"
-	rc=1
-fi
-dmesg > /tmp/dmesg
-echo "== kernel messages after insmod:"
-cat /tmp/dmesg
-if grep -E -q "WARNING:|BUG:|Oops|general protection|Call Trace|Bad page|bad page|list_del corruption|list_add corruption|refcount_t:|Bad rss|rss-counter|kernel BUG|Poison overwritten|Redzone|Object padding|slab_out_of_bounds|use-after-free" /tmp/dmesg; then
-	echo "== kernel warning/bug logged after insmod"
-	rc=1
-fi
+# shellcheck disable=SC1091
+. "$E2E_REPO/kmod/tests/kernel-log.sh"
+rmmod_and_check_kernel_log
 step "done"
 [ "$rc" = 0 ] && result=PASS
 finish

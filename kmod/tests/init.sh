@@ -54,16 +54,7 @@ else
 fi
 rc=$?
 
-if ! rmmod bunshin_share; then
-	echo "== rmmod failed"
-	rc=1
-fi
-dmesg > /tmp/dmesg
-echo "== kernel messages after insmod:"
-cat /tmp/dmesg
-if grep -E -q "WARNING:|BUG:|Oops|general protection|Call Trace|Bad page|bad page|list_del corruption|list_add corruption|refcount_t:|Bad rss|rss-counter|kernel BUG|Poison overwritten|Redzone|Object padding|slab_out_of_bounds|use-after-free" /tmp/dmesg; then
-	echo "== kernel warning/bug logged after insmod"
-	rc=1
-fi
+. /kernel-log.sh
+rmmod_and_check_kernel_log
 [ "$rc" = 0 ] && result=PASS
 finish
