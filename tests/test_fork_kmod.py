@@ -109,9 +109,6 @@ def double(monkeypatch):
     monkeypatch.setenv(kmod.DOUBLE_ENV, "copy")
 
 
-def _holders(snap_id: str) -> list[records.Record]:
-    return [r for r in records.all_records() if r.extra.get(kmod.HOLDER_KEY) == snap_id]
-
 
 def test_kmod_clones_equal_the_source_through_the_holder(double):
     ws = Workspace.create("base", memory_mode="kmod")
@@ -125,7 +122,7 @@ def test_kmod_clones_equal_the_source_through_the_holder(double):
         madv_pid = int(host.wait_file(ws, "/tmp/madv.ready"))
         snap = ws.snapshot()
         clones = snap.fork(2)
-        [holder] = _holders(snap.id)
+        [holder] = kmod.holders_of(snap.id)
         assert holder.running() and holder.memory_mode == "copy"
         assert set(snap.users()["clones"]) == {c.id for c in clones}, "the holder is no user of the snapshot"
         for c in clones:
@@ -145,19 +142,19 @@ def test_kmod_clones_equal_the_source_through_the_holder(double):
         # a second fork reuses the holder
         more = snap.fork(1)
         clones += more
-        assert [r.id for r in _holders(snap.id)] == [holder.id]
+        assert [r.id for r in kmod.holders_of(snap.id)] == [holder.id]
         assert heap(more[0], PORT, "sha") == want
         for c in clones[1:]:
             c.close()
-        assert [r.id for r in _holders(snap.id)] == [holder.id]  # one kmod clone is left
+        assert [r.id for r in kmod.holders_of(snap.id)] == [holder.id]  # one kmod clone is left
         clones[0].close()
-        assert _holders(snap.id) == []  # the last kmod clone takes the holder with it
+        assert kmod.holders_of(snap.id) == []  # the last kmod clone takes the holder with it
         assert not records.process_alive(holder.pid1, holder.pid1_start)
     finally:
         host.close_all(clones, ws)
         if snap is not None:
             snap.delete()
-    assert _holders(snap.id) == []
+    assert kmod.holders_of(snap.id) == []
 
 
 def test_ephemeral_fork_and_rollback_in_kmod_mode(double):
@@ -166,12 +163,12 @@ def test_ephemeral_fork_and_rollback_in_kmod_mode(double):
         sh(ws, "echo one > /root/f")
         [c] = ws.fork(1)
         snap_id = c.base_snapshot
-        assert len(_holders(snap_id)) == 1
+        assert len(kmod.holders_of(snap_id)) == 1
         sh(c, "echo two > /root/f")
         c.rollback()
         assert sh(c, "cat /root/f").strip() == "one"
         c.close()
-        assert _holders(snap_id) == [] and snap_id not in {s.id for s in SnapshotStore().list()}
+        assert kmod.holders_of(snap_id) == [] and snap_id not in {s.id for s in SnapshotStore().list()}
     finally:
         ws.close()
 
@@ -183,7 +180,7 @@ def test_a_holder_that_lost_a_process_fails_the_fork_cleanly(double):
         ws.spawn(["sleep", "1000"])
         snap = ws.snapshot()
         [c] = snap.fork(1)  # keeps the holder alive
-        [holder] = _holders(snap.id)
+        [holder] = kmod.holders_of(snap.id)
         sleeper = next(pid for pid in _cgroup_pids(holder) if _comm(pid) == "sleep")
         os.kill(sleeper, signal.SIGKILL)  # pending until thawed
         holder_ws = Workspace(holder, ws._p)
@@ -211,13 +208,13 @@ def test_gc_reclaims_the_holder_of_a_vanished_snapshot(double):
     try:
         snap = ws.snapshot()
         [c] = snap.fork(1)
-        [holder] = _holders(snap.id)
+        [holder] = kmod.holders_of(snap.id)
         assert holder.id not in collect().workspaces  # in use: kept
         os.rename(snap.path, snap.path.with_name(f".gone-{snap.id}"))  # as if deleted by a crashed process
         try:
             report = collect()
             assert holder.id in report.workspaces
-            assert _holders(snap.id) == []
+            assert kmod.holders_of(snap.id) == []
         finally:
             os.rename(snap.path.with_name(f".gone-{snap.id}"), snap.path)
         c.close()

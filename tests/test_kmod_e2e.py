@@ -10,7 +10,6 @@ the host's root file system over virtio-9p, loads the module and runs this file 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +35,6 @@ def real_module(monkeypatch):
     monkeypatch.delenv(kmod.DOUBLE_ENV, raising=False)
     assert kmod.sharer().name == "module"
 
-
-def _holders(snap_id: str) -> list[records.Record]:
-    return [r for r in records.all_records() if r.extra.get(kmod.HOLDER_KEY) == snap_id]
 
 
 def _pid_running(rec: records.Record, needle: str) -> int:
@@ -72,7 +68,7 @@ def test_kmod_clones_map_the_holders_pages_copy_on_write(real_module):
         madv_pid = int(host.wait_file(ws, "/tmp/madv.ready"))
         snap = ws.snapshot()
         clones = snap.fork(2)
-        [holder] = _holders(snap.id)
+        [holder] = kmod.holders_of(snap.id)
         assert Cgroup(holder.cgroup).is_frozen()
         holder_heap = _pid_running(holder, "heap.py")
         for c in clones:
@@ -102,12 +98,12 @@ def test_kmod_clones_map_the_holders_pages_copy_on_write(real_module):
         # the holder's pages never changed: a later clone gets the snapshot's memory
         more = snap.fork(1)
         clones += more
-        assert [r.id for r in _holders(snap.id)] == [holder.id]
+        assert [r.id for r in kmod.holders_of(snap.id)] == [holder.id]
         assert more[0]._rec.extra["kmod"]["mechanism"] == "module"
         assert heap(more[0], PORT, "sha") == want and heap(more[0], PORT, "get") == "1"
         for c in clones:
             c.close()
-        assert _holders(snap.id) == []  # the last kmod clone takes the holder with it
+        assert kmod.holders_of(snap.id) == []  # the last kmod clone takes the holder with it
         assert not records.process_alive(holder.pid1, holder.pid1_start)
         assert heap(ws, PORT, "sha") == want  # the source runs on
     finally:
@@ -135,7 +131,7 @@ def test_kmod_rollback_and_ephemeral_fork_with_the_module(real_module):
         assert sh(c, "cat /root/f").strip() == "one"
         assert heap(c, PORT, "sha") == want and heap(c, PORT, "get") == "0"
         c.close()
-        assert _holders(snap_id) == []
+        assert kmod.holders_of(snap_id) == []
     finally:
         ws.close()
 
@@ -160,12 +156,12 @@ def test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode(real_module):
         print(f"\nsecond generation {b.id}: {served}")
         assert served["mechanism"] == "module" and served["pages_shared"] * PAGE > 8 * 2**20
         assert heap(b, PORT, "sha") == host.heap_expected(8, "gen", "a1") and heap(b, PORT, "get") == "1"
-        assert len(_holders(snaps[0].id)) == 1 and len(_holders(snaps[1].id)) == 1
+        assert len(kmod.holders_of(snaps[0].id)) == 1 and len(kmod.holders_of(snaps[1].id)) == 1
         heap(b, PORT, "mutate", "b1")
         assert heap(a, PORT, "sha") == host.heap_expected(8, "gen", "a1")
         assert heap(ws, PORT, "sha") == host.heap_expected(8, "gen")
         b.close()
-        assert _holders(snaps[1].id) == []
+        assert kmod.holders_of(snaps[1].id) == []
     finally:
         host.close_all(clones, ws)
         for s in reversed(snaps):
@@ -176,12 +172,7 @@ def test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode(real_module):
 @pytest.mark.vm
 def test_kmod_e2e_in_vm():
     """Runs this file (and the kmod/copy memory comparison) inside a qemu VM with the module."""
-    cmd = ["make", "-C", str(REPO / "kmod"), "e2e"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=4000)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-8000:]
-    log = (REPO / "kmod/build/serial-e2e.log").read_text()
-    assert "BUNSHIN_KMOD_RESULT: PASS" in log
+    _, log = host.kmod_vm("e2e", timeout=4000)
     assert "PASSED tests/test_kmod_e2e.py::test_kmod_clones_map_the_holders_pages_copy_on_write" in log
     assert "PASSED tests/test_kmod_e2e.py::test_kmod_rollback_and_ephemeral_fork_with_the_module" in log
     assert "PASSED tests/test_kmod_e2e.py::test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode" in log

@@ -101,26 +101,25 @@ class _Level:
 
 
 def _resolve(levels: list[_Level], files: dict, a: int, end: int, out, name: str) -> None:
-    """Copy the pages [a, end) of levels[0]'s parent chain into ``out``."""
+    """Copy the pages [a, end) from levels[0], the parent, into ``out``; runs the parent has in
+    its own parent come from further up the chain (levels[1:])."""
+    if not levels:
+        raise ForkError(f"{name}: page {a:#x} is in parent, but no ancestor has it")
+    lv = levels[0]
     while a < end:
-        for lv in levels:
-            r = lv.find(a)
-            if r is None:
-                raise ForkError(f"{name}: page {a:#x} is in parent, but {lv.dir} lacks it")
-            v, n, fl, off = r
-            m = min(end, v + n * PAGE) - a
-            if fl & PE_PRESENT:
-                if lv.dir not in files:
-                    files[lv.dir] = open(lv.dir / f"pages-{lv.pages_id}.img", "rb")  # noqa: SIM115
-                _copy(files[lv.dir].fileno(), off + (a - v), out, m)
-                break
-            if not fl & PE_PARENT:
-                raise ForkError(f"{name}: page {a:#x} is neither present nor in parent in {lv.dir}")
-            end_here = a + m  # the rest of this run continues up the chain
-            _resolve(levels[levels.index(lv) + 1:], files, a, end_here, out, name)
-            break
+        r = lv.find(a)
+        if r is None:
+            raise ForkError(f"{name}: page {a:#x} is in parent, but {lv.dir} lacks it")
+        v, n, fl, off = r
+        m = min(end, v + n * PAGE) - a
+        if fl & PE_PRESENT:
+            if lv.dir not in files:
+                files[lv.dir] = open(lv.dir / f"pages-{lv.pages_id}.img", "rb")  # noqa: SIM115
+            _copy(files[lv.dir].fileno(), off + (a - v), out, m)
+        elif fl & PE_PARENT:
+            _resolve(levels[1:], files, a, a + m, out, name)
         else:
-            raise ForkError(f"{name}: page {a:#x} is in parent, but no ancestor has it")
+            raise ForkError(f"{name}: page {a:#x} is neither present nor in parent in {lv.dir}")
         a += m
 
 

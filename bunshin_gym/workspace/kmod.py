@@ -304,6 +304,11 @@ def is_holder(rec: records.Record) -> bool:
     return bool(rec.extra.get(HOLDER_KEY))
 
 
+def holders_of(snap_id: str, recs: list[records.Record] | None = None, p: Paths | None = None) -> list[records.Record]:
+    """The records of a snapshot's holders (among ``recs``, default all records)."""
+    return [r for r in (records.all_records(p) if recs is None else recs) if r.extra.get(HOLDER_KEY) == snap_id]
+
+
 @contextlib.contextmanager
 def _holder_lock(snap_path: Path):
     with open(snap_path / ".holder.lock", "a") as f:
@@ -318,8 +323,8 @@ def holder_for(snap, p: Paths | None = None) -> records.Record:
     its cgroup is frozen."""
     p = p or paths()
     with _holder_lock(snap.path):
-        for rec in records.all_records(p):
-            if rec.extra.get(HOLDER_KEY) == snap.id and rec.running():
+        for rec in holders_of(snap.id, p=p):
+            if rec.running():
                 return rec
         [holder] = snap.fork(1, mode="copy", detached=True, _holder=True)
         holder.freeze()
@@ -335,10 +340,9 @@ def close_holders(snap_id: str, p: Paths | None = None, *, unless_used: bool = F
     if unless_used and any(r.snapshot == snap_id and not is_holder(r) and r.memory_mode == "kmod" for r in recs):
         return []
     closed = []
-    for rec in recs:
-        if rec.extra.get(HOLDER_KEY) == snap_id:
-            reclaim(rec, p)
-            closed.append(rec.id)
+    for rec in holders_of(snap_id, recs):
+        reclaim(rec, p)
+        closed.append(rec.id)
     return closed
 
 

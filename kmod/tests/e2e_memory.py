@@ -42,9 +42,8 @@ def say(msg: str) -> None:
 
 
 def measure(pids: list[int]) -> dict:
-    g = group_memory(pids)
-    return {"unique_mb": round(g.unique / 2**20, 1), "unique_anon_mb": round(g.unique_anon / 2**20, 1),
-            "pss_mb": round(g.pss / 2**20, 1), "rss_mb": round(g.rss / 2**20, 1), "processes": g.processes}
+    """MiB of the group's memory (``unique``, ``unique_anon``, ``pss``, ``rss``) and its process count."""
+    return group_memory(pids).as_mb()
 
 
 def pids_of(*recs: records.Record) -> list[int]:
@@ -110,7 +109,7 @@ def main() -> int:
             try:
                 say(f"{N} {mode} clones forked in {fork_s} s")
                 if mode == "kmod":
-                    [holder] = [r for r in records.all_records() if r.extra.get(kmod.HOLDER_KEY) == snap.id]
+                    [holder] = kmod.holders_of(snap.id)
                     own = own_pages(clones[0]._rec, holder)
                     say(f"pages of clone 0 not the holder's (process:vma pages): {', '.join(own)}")
                 for c in clones:
@@ -151,11 +150,11 @@ def main() -> int:
     print(f"{N} clones of a workspace holding a {MB} MiB heap (kernel {out['kernel']}, qemu TCG)")
     print(f"{'group':44} {'unique MiB':>11} {'anon MiB':>9} {'PSS MiB':>8} {'RSS MiB':>8}")
     for name, m in rows:
-        print(f"{name:44} {m['unique_mb']:>11} {m['unique_anon_mb']:>9} {m['pss_mb']:>8} {m['rss_mb']:>8}")
+        print(f"{name:44} {m['unique']:>11} {m['unique_anon']:>9} {m['pss']:>8} {m['rss']:>8}")
     print(f"fork of {N} (TCG): kmod {k['fork_s']} s after the holder ({k['holder_s']} s), copy {c['fork_s']} s; "
           f"module sharing per clone {', '.join(str(s['ms']) for s in k['served'])} ms")
-    print(f"kmod clones / copy clones, unique: {k['clones']['unique_mb'] / c['clones']['unique_mb']:.3f}; "
-          f"with the holder: {k['clones_and_holder']['unique_mb'] / c['clones']['unique_mb']:.3f}")
+    print(f"kmod clones / copy clones, unique: {k['clones']['unique'] / c['clones']['unique']:.3f}; "
+          f"with the holder: {k['clones_and_holder']['unique'] / c['clones']['unique']:.3f}")
     print("E2E_MEMORY_END")
     print("E2E_MEMORY_JSON " + json.dumps(out), flush=True)
     return 0

@@ -137,3 +137,16 @@ def children_of(pid: int) -> list[str]:
             if int(ppid) == pid:
                 found.append(f"{entry} {state} {comm}")
     return found
+
+
+def kmod_vm(target: str, timeout: float) -> tuple[str, str]:
+    """Run ``make -C kmod TARGET`` (a qemu VM booting Debian's 6.1 kernel with the module, see
+    kmod/README.md), check it succeeded with the PASS marker on its serial console, and return
+    (make's output, the serial log)."""
+    repo = HERE.parent.parent
+    r = subprocess.run(["make", "-C", str(repo / "kmod"), target], capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-8000:]
+    serial = (repo / f"kmod/build/serial-{target}.log").read_text()
+    assert "BUNSHIN_KMOD_RESULT: PASS" in serial
+    return out, serial
