@@ -7,25 +7,30 @@
 #
 # Configuration (environment): BUNSHIN_HOME (/var/lib/bunshin), BUNSHIN_POOL_SIZE (60G),
 # BUNSHIN_POOL_FILE ($BUNSHIN_HOME/pool.img), BUNSHIN_VENV (<repo>/.venv).
-set -euo pipefail
+set -Eeuo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lib/host.sh
+source "$REPO/scripts/lib/host.sh"
 export BUNSHIN_HOME=${BUNSHIN_HOME:-/var/lib/bunshin}
 VENV=${BUNSHIN_VENV:-$REPO/.venv}
 IMAGES=${BUNSHIN_IMAGES:-base webarena osworld}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+# Every step names itself; a failing command then says which step stopped and why.
+STEP="start"
+step() { STEP="$*"; }
+trap 'rc=$?; printf "\033[1m[setup]\033[0m FAILED in step \"%s\": \"%s\" exited %s (scripts/setup.sh line %s)\n" "$STEP" "$BASH_COMMAND" "$rc" "$LINENO" >&2' ERR
 
 [ "$(id -u)" = 0 ] || { echo "scripts/setup.sh must run as root" >&2; exit 1; }
 mkdir -p "$BUNSHIN_HOME"
 
 # 1. Host packages from Debian (only what is missing).
+step "1. host packages"
 PKGS="btrfs-progs debootstrap iproute2 nftables util-linux procps psmisc kmod xz-utils tar dpkg-dev
  build-essential pkg-config gcc make libc6-dev python3 python3-venv
  libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
  libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
  debian-archive-keyring ca-certificates"
-missing=$(dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' $PKGS 2>/dev/null | awk '$1!="ii"{print $2}')
-for p in $PKGS; do dpkg-query -W "$p" >/dev/null 2>&1 || missing="$missing $p"; done
-missing=$(echo $missing | tr ' ' '\n' | sort -u | tr '\n' ' ')
+missing=$(missing_packages $PKGS | tr '\n' ' ')
 if [ -n "${missing// /}" ]; then
 	say "installing host packages: $missing"
 	apt-get update -q
@@ -34,10 +39,12 @@ else
 	say "host packages present"
 fi
 
+step "2. CRIU build"
 # 2. CRIU from Debian's source package plus criu/patches (rebuilt only when they change).
 "$REPO/criu/build.sh" "$BUNSHIN_HOME/criu"
 "$REPO/criu/pycriu.sh" "$BUNSHIN_HOME/criu"  # pycriu, to rewrite image files (snapshot flattening)
 
+step "3. Python virtual environment"
 # 3. Python virtual environment: torch's CPU wheel first and alone, then pinned deps.
 stamp=$(cat "$REPO/pyproject.toml" "$REPO/constraints.txt" | sha256sum | cut -c1-16)
 if [ "$(cat "$VENV/.bunshin-stamp" 2>/dev/null)" != "$stamp" ]; then
@@ -63,7 +70,9 @@ fi
 BUNSHIN="$VENV/bin/bunshin"
 
 # 4. btrfs pool in a loop file, mounted; 5. workspace images (cached by recipe).
+step "4. btrfs pool"
 "$VENV/bin/python" -c "from bunshin_gym.workspace import pool; pool.ensure_pool()"
+step "5. workspace images ($IMAGES)"
 "$BUNSHIN" image build $IMAGES
 "$BUNSHIN" image prune
 say "done; 'bunshin doctor' checks everything:"

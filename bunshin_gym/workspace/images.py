@@ -42,7 +42,19 @@ from bunshin_gym.workspace.errors import SetupError, UnknownImage, WorkspaceErro
 
 PACKAGE_RECIPES = Path(__file__).parent / "recipes"
 REPO_ENVS = Path(__file__).resolve().parents[2] / "envs"
-MIRROR = os.environ.get("BUNSHIN_MIRROR", "http://deb.debian.org/debian")
+HOST_SH = Path(__file__).resolve().parents[2] / "scripts" / "lib" / "host.sh"
+
+
+def debian_archive() -> str:
+    """The Debian archive debootstrap fetches from: ``BUNSHIN_MIRROR``, else the one this
+    host's apt uses for bookworm main (a local mirror or proxy on most clusters), read by the
+    same shell function the set-up uses."""
+    out = subprocess.run(["bash", "-c", f"source {shlex.quote(str(HOST_SH))}; debian_archive"],
+                         capture_output=True, text=True).stdout.strip()
+    if not out:
+        raise SetupError("apt knows no Debian archive for bookworm main (apt-cache policy); "
+                         "set BUNSHIN_MIRROR to a Debian mirror's URL")
+    return out
 
 
 @dataclass
@@ -235,7 +247,7 @@ class ImageStore:
         cache.mkdir(parents=True, exist_ok=True)
         self.log(f"[image {r.name}] debootstrap {r.variant} {r.suite} with {len(r.packages)} extra packages")
         self._stream(r.name, ["debootstrap", f"--variant={r.variant}", f"--cache-dir={cache}",
-                              "--include=" + ",".join(r.packages), r.suite, str(target), MIRROR])
+                              "--include=" + ",".join(r.packages), r.suite, str(target), debian_archive()])
 
     def _pip(self, r: Recipe, target: Path) -> None:
         wheels = self.p.cache / "wheels" / hashlib.sha256(" ".join(r.pip).encode()).hexdigest()[:12]
