@@ -3,8 +3,8 @@
 Runs inside a web workspace with the image's python3 (playwright installed, Debian's
 chromium), started by ``WebArenaEnv.boot``, so the boot snapshot holds it with its browser
 and page. It serves one controller connection at a time on a unix socket
-(``/run/bunshin/web.sock``) with the workspace agent's framing (imported from
-``/.bunshin/agent.py``): a request is a JSON header (``op`` and arguments), a reply a JSON
+(``/run/bunshin/web.sock``) with bunshin's one protocol (``/.bunshin/protocol.py``, shipped
+in the runtime layer): a request is a JSON header (``op`` and arguments), a reply a JSON
 header (``error`` on failure) plus blobs (a screenshot). The controller closes its
 connection before every snapshot; the driver then goes back to ``accept``.
 
@@ -22,9 +22,9 @@ import time
 import traceback
 
 sys.path.insert(0, "/.bunshin")
-from agent import serve_unix  # noqa: E402  (the workspace agent's framing and server loop)
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
+from protocol import serve_unix  # noqa: E402  (bunshin's one wire protocol, from the runtime layer)
 
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
