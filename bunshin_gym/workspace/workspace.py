@@ -191,7 +191,7 @@ class Workspace:
     # commands and files --------------------------------------------------------------
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 120.0, env: dict | None = None,
              cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-             check: bool = False) -> ExecResult:
+             check: bool = False, max_output: int | None = None) -> ExecResult:
         """Run a command to completion inside the workspace.
 
         Args:
@@ -203,9 +203,12 @@ class Workspace:
             user: run as this user (default root).
             stdin: bytes fed to the command's standard input.
             check: raise :class:`WorkspaceError` on a non-zero exit or a timeout.
+            max_output: bytes kept of each output stream (default 1 MiB,
+                :data:`~bunshin_gym.workspace.client.MAX_OUTPUT`); past it the head and the
+                tail are kept with a ``[... output cut: N bytes not shown ...]`` marker between.
         """
         req = _command(cmd)
-        req.update(op="exec", timeout=timeout, env=env, cwd=cwd, user=user)
+        req.update(op="exec", timeout=timeout, env=env, cwd=cwd, user=user, max_output=max_output)
         reply, (out, err) = self._agent().request(req, [stdin] if stdin is not None else [])
         res = ExecResult(reply["exit_code"], out, err, reply["timed_out"], reply["duration"])
         if check and not res.ok:

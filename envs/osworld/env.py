@@ -42,6 +42,7 @@ from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, tasks
 from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
 from bunshin_gym.envs.osworld.xclient import XScreen
+from bunshin_gym.workspace.errors import AgentError, ChannelError
 
 SPECIAL = ("WAIT", "FAIL", "DONE")
 ACTION_TYPES = ("MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DOUBLE_CLICK", "DRAG_TO", "SCROLL",
@@ -275,7 +276,11 @@ class OSWorldEnv(WorkspaceEnv):
             if self._x is not None:
                 self._x.close()
             self._x = XScreen(path)
-        return self._x.capture()
+        try:
+            return self._x.capture()
+        except OSError as e:  # XError too: the X server is inside the workspace and may misbehave
+            self._x.close()
+            raise ChannelError(f"{self.workspace.id}: the X display at {path}: {e}") from e
 
     def accessibility_tree(self) -> str:
         """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer)."""
@@ -295,7 +300,10 @@ class OSWorldEnv(WorkspaceEnv):
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             time.sleep(TERMINAL_QUIET_S)
-            again = self.workspace.read_file(desktop.TERMINAL_LOG)
+            try:
+                again = self.workspace.read_file(desktop.TERMINAL_LOG)
+            except AgentError:  # replaced meanwhile (by a FIFO, a device: refused): keep what was read
+                break
             if again == raw:
                 break
             raw = again
