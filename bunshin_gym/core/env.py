@@ -105,6 +105,9 @@ class WorkspaceEnv(gym.Env):
         reset_snapshot: snapshot the state right after each reset (needed by ``rollback()``
             without an argument; costs one snapshot per reset).
         workspace_factory: ``(image, memory_mode) -> workspace``; tests pass a fake here.
+        limits: the workspace's memory, pids and disk limits (a ``Limits`` or a dict such as
+            ``{"memory": "2G", "pids": 512, "disk": "1G"}``; default ``BUNSHIN_WS_*`` or 8G,
+            4096, 8G); clones inherit them.
     """
 
     metadata = {"render_modes": []}
@@ -114,7 +117,8 @@ class WorkspaceEnv(gym.Env):
 
     def __init__(self, task: Any = None, *, image: str | None = None, memory_mode: str = "share",
                  max_steps: int | None = None, reset_snapshot: bool = True,
-                 workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None):
+                 workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None,
+                 limits: Any = None):
         self.image = image or self.default_image
         self.memory_mode = memory_mode
         self.render_mode = render_mode
@@ -122,7 +126,7 @@ class WorkspaceEnv(gym.Env):
         self._max_steps = max_steps
         self._reset_snapshot_enabled = reset_snapshot
         self._factory = workspace_factory or (
-            lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname))
+            lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname, limits=limits))
         self._ws: Any = None
         self._pending: EnvSnapshot | None = None  # lazy: fork from this on first use of the workspace
         self._boot_snap: Any = None

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bunshin_gym.config import Paths, criu_env, paths
+from bunshin_gym.config import Limits, Paths, criu_env, paths
 from bunshin_gym.workspace import delta, flatten, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
@@ -99,13 +99,15 @@ class Snapshot:
                 subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
                 snapshot=self.id, owner=None if detached else me,
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
-                extra={kmod.HOLDER_KEY: self.id} if _holder else {},
+                # clones keep the snapshot's limits (older snapshots: the defaults)
+                extra={"limits": self.meta.get("limits") or Limits.from_env().as_dict(),
+                       **({kmod.HOLDER_KEY: self.id} if _holder else {})},
             ))
         clones = [Workspace(rec, self._p) for rec in recs]
         try:
             for rec in recs:
                 records.save(rec, self._p)
-                Cgroup.create(rec.cgroup)
+                Cgroup.create(rec.cgroup, Limits.parse(rec.extra["limits"]))
             holder = _kmod_holder(self, mode)  # once the clones' records keep it from `bunshin gc`
             procs = [_start_restore(self, rec, mode, self._p, holder) for rec in recs]
             failed = []  # wait for every restore, so none is left unreaped and unreported
@@ -251,6 +253,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
         "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
         "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
         "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+        "limits": rec.extra.get("limits"),  # inherited by every clone
         "ref_depth": _ref_depth(rec, parent),
         "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
     }
@@ -289,6 +292,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
     """Lay the clone's files and start ``criu restore`` for it (returns at once)."""
     sub = Path(rec.subvolume)
     pool.snapshot_subvolume(snap.fs, sub)
+    pool.limit_subvolume(sub, Limits.parse(rec.extra.get("limits")).disk)  # charged for what it writes
     logs = p.run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     layer = rec.layer

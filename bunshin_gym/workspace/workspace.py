@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Limits, Paths, paths
 from bunshin_gym.workspace import kmod, pool, records, snapshot, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
@@ -60,7 +60,8 @@ class Workspace:
     # life cycle ----------------------------------------------------------------------
     @classmethod
     def create(cls, image: str = "base", *, memory_mode: str = DEFAULT_MODE, detached: bool = False,
-               ready_timeout: float = 30.0, ws_id: str | None = None, hostname: str | None = None) -> Workspace:
+               ready_timeout: float = 30.0, ws_id: str | None = None, hostname: str | None = None,
+               limits: Limits | dict | None = None) -> Workspace:
         """Start a workspace from an image (which must be built: ``bunshin image build``).
 
         Args:
@@ -74,8 +75,12 @@ class Workspace:
             ws_id: the workspace id (default: a random ``ws-xxxxxxxx``).
             hostname: the workspace's host name (default: its id). Envs give a fixed one, so
                 that two workspaces of one task look the same to the agent.
+            limits: memory, pids and disk limits (a :class:`~bunshin_gym.config.Limits` or a
+                dict such as ``{"memory": "2G"}``; the rest from ``BUNSHIN_WS_*``, defaults
+                8G, 4096, 8G). Its snapshots carry them to every clone.
         """
         mode = MemoryMode.parse(memory_mode)
+        limits = Limits.parse(limits)
         p = pool.require_pool()
         image_path = ImageStore(p).get(image)
         layer = ensure_runtime(p)
@@ -89,14 +94,16 @@ class Workspace:
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
             owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
             created=time.time(), layer=str(layer), memory_mode=mode.value,
+            extra={"limits": limits.as_dict()},
         )
         records.save(rec, p)
         ws = cls(rec, p)
         try:
             pool.create_subvolume(sub)
+            pool.limit_subvolume(sub, limits.disk)
             for d in ("upper", "work", "root"):
                 (sub / d).mkdir()
-            cg = Cgroup.create(ws_id)
+            cg = Cgroup.create(ws_id, limits)
             proc = subprocess.run(
                 [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
                  str(sub / "upper"), str(sub / "work"), str(p.snapshots), hostname or ws_id, *cg.procs_files],
@@ -175,6 +182,20 @@ class Workspace:
     @property
     def cgroup(self) -> Cgroup:
         return self._cgroup
+
+    @property
+    def limits(self) -> Limits:
+        """The memory, pids and disk limits this workspace was started (or restored) with."""
+        return Limits.parse(self._rec.extra.get("limits"))
+
+    def limit_state(self) -> dict[str, int]:
+        """Counters to tell whether an action hit a limit (compare two readings with
+        :func:`limits_hit`): kernel OOM kills, refused forks, disk bytes charged and the cap."""
+        self._check_open()
+        state = dict(self._cgroup.limit_events())
+        usage = pool.disk_usage(Path(self._rec.subvolume))
+        state["disk_used"], state["disk_limit"] = usage or (0, 0)
+        return state
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,6 +348,56 @@ class Workspace:
         return MemoryStats(pss=total["Pss"], rss=total["Rss"],
                            private=total["Private_Clean"] + total["Private_Dirty"],
                            processes=len(pids), cgroup=self._cgroup.memory_usage())
+
+
+#: what a command prints when a write failed for lack of space (EDQUOT, ENOSPC)
+_DISK_FULL_TEXT = (b"Disk quota exceeded", b"No space left on device")
+
+
+def limits_hit(before: dict[str, int], after: dict[str, int], limits: Limits, output: bytes = b"") -> list[str]:
+    """Sentences, for an observation, naming each limit a workspace hit between two
+    :meth:`Workspace.limit_state` readings (``output``: what the action printed)."""
+    notes = []
+    if (n := after["oom_kill"] - before["oom_kill"]) > 0:
+        notes.append(f"the workspace hit its memory limit ({_size(limits.memory)}): the kernel killed "
+                     f"{n} process{'es' if n > 1 else ''} (out of memory)")
+    if after["pids_max"] > before["pids_max"]:
+        notes.append(f"the workspace hit its process limit ({limits.pids} processes and threads): "
+                     "a fork was refused")
+    used, cap = after["disk_used"], after["disk_limit"]
+    # the kernel refuses a write that would pass the cap, so usage stops a little below it
+    if cap and (used >= cap - (4 << 20) or (any(t in output for t in _DISK_FULL_TEXT) and used >= cap * 0.9)):
+        notes.append(f"the workspace's disk quota is full ({_size(used)} of {_size(cap)} written): "
+                     "writes fail with 'Disk quota exceeded'; delete files to free space")
+    return notes
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
+class _DeathReporting:
+    """An agent client whose connection failures say so when the workspace died meanwhile:
+    :class:`WorkspaceClosed` (an error an env turns into an error observation), not a bare
+    connection error."""
+
+    def __init__(self, ws: Workspace, client: AgentClient):
+        self._ws = ws
+        self._client = client
+
+    def request(self, header: dict, blobs: Sequence[bytes] = (), **kw) -> tuple[dict, list[bytes]]:
+        try:
+            return self._client.request(header, blobs, **kw)
+        except AgentError:
+            raise  # it ran inside the workspace and failed there
+        except WorkspaceError as e:
+            closed = self._ws._death_while(header.get("op"), e)
+            if closed is not None:
+                raise closed from e
+            raise
 
 
 def _command(cmd: str | Sequence[str]) -> dict:

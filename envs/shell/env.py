@@ -16,6 +16,7 @@ Actions run as ``user`` in ``/home/user`` (as in OSWorld). ``DONE`` ends the epi
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ from gymnasium import spaces
 
 from bunshin_gym.core.env import ActionError, WorkspaceEnv
 from bunshin_gym.core.task import Task, TaskError
+from bunshin_gym.workspace import pristine
+from bunshin_gym.workspace.workspace import limits_hit
+
+log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 #: printable text: every character a command or its output may carry
@@ -63,7 +68,18 @@ class ShellTask(Task):
                                 f"{res.stderr.decode(errors='replace')[-500:]}")
 
     def validate(self, env: ShellEnv) -> float:
-        return 1.0 if env.workspace.exec(self.check, timeout=60, cwd="/home/user").exit_code == 0 else 0.0
+        """Run the checker over the workspace's files with the image's own binaries, outside the
+        workspace (:mod:`bunshin_gym.workspace.pristine`): a policy with sudo may have replaced
+        ``/usr/bin/wc`` or ``sqlite3`` inside, and those must not decide its reward."""
+        ws = env.workspace
+        if not hasattr(ws, "_rec"):  # a test double without layers: it has no binaries to replace
+            return 1.0 if ws.exec(self.check, timeout=60, cwd="/home/user").exit_code == 0 else 0.0
+        res = pristine.run(ws, self.check, cwd="/home/user", timeout=60)
+        if res.exit_code != 0 and res.stderr:
+            log.info("task %s: checker exited %d: %s", self.id, res.exit_code,
+                     res.stderr.decode(errors="replace")[-300:])
+        return 1.0 if res.ok else 0.0
+
 
 
 def load_shell_task(spec: Any) -> ShellTask:
@@ -124,10 +140,20 @@ class ShellEnv(WorkspaceEnv):
         if not cmd:
             self._output, self._exit_code = "error: empty command", -1
             raise ActionError(self._output)
-        res = self.workspace.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
-        self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT)
+        ws = self.workspace
+        watch = hasattr(ws, "limit_state")  # a test double may not model limits
+        before = ws.limit_state() if watch else None
+        res = ws.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
+        notes = limits_hit(before, ws.limit_state(), ws.limits, res.stdout + res.stderr) if watch else []
+        # the notes go last, so that the tail-keeping cut never drops them
+        tail = "".join(f"\n[bunshin: {n}]" for n in notes)
+        self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT - len(tail)) + tail
         self._exit_code = -9 if res.timed_out else max(-256, min(255, res.exit_code))
-        return {"exit_code": self._exit_code, "timed_out": res.timed_out, "duration": res.duration}
+        self.record_timing(command_s=res.duration)
+        info = {"exit_code": self._exit_code, "timed_out": res.timed_out}
+        if notes:
+            info["limit"] = notes
+        return info
 
     def observe(self) -> dict:
         return {
