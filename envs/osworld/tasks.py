@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.core.task import Task, TaskError
+from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
 from bunshin_gym.envs.osworld import desktop
 from bunshin_gym.envs.osworld.metrics import METRICS
 
@@ -361,13 +361,20 @@ def _as_list(x: Any) -> list:
 class OSWorldTask(Task):
     """One OSWorld task (see the module docstring for what is supported)."""
 
-    def __init__(self, config: dict):
-        for key in ("id", "instruction", "evaluator"):
-            if key not in config:
-                raise TaskError(f"osworld task {config.get('id', '?')}: missing {key!r}")
-        super().__init__(config["id"], config["instruction"], config.get("max_steps", 15), config)
-        self.steps_config: list[dict] = list(config.get("config") or [])
-        self.evaluator: dict = config["evaluator"]
+    def __init__(self, config: dict, source: str | None = None):
+        config = check_config(config, f"osworld task {source or ''}".strip())
+        where = f"osworld task {config.get('id', '?')!r:.80}" + (f" ({source})" if source else "")
+        task_id = field(config, "id", str, where, required=True)
+        instruction = field(config, "instruction", str, where, required=True)
+        self.evaluator: dict = field(config, "evaluator", dict, where, required=True)
+        self.steps_config: list[dict] = list(field(config, "config", list, where, default=[], items=dict))
+        field(self.evaluator, "postconfig", list, f"{where}: evaluator", items=dict)
+        for kind, steps in (("config", self.steps_config), ("evaluator.postconfig",
+                                                           self.evaluator.get("postconfig") or [])):
+            for i, step in enumerate(steps):
+                field(step, "parameters", dict, f"{where}: {kind}[{i}]")
+        field(config, "oracle", list, where)
+        super().__init__(task_id, instruction, check_max_steps(config.get("max_steps", 15), where), config)
         self._check()
 
     def _check(self) -> None:
@@ -462,13 +469,13 @@ def load_task(spec: Any) -> OSWorldTask:
     if isinstance(spec, dict):
         return OSWorldTask(spec)
     if str(spec).endswith(".json") and Path(str(spec)).exists():
-        return OSWorldTask(json.loads(Path(str(spec)).read_text()))
+        return OSWorldTask(read_task_file(str(spec)), source=str(spec))
     known = task_paths()
     if spec in known:
-        return OSWorldTask(json.loads(known[spec].read_text()))
+        return OSWorldTask(read_task_file(known[spec]), source=str(known[spec]))
     raise TaskError(f"no osworld task {spec!r}; shipped tasks: {', '.join(known)}")
 
 
 def shipped_tasks() -> list[OSWorldTask]:
-    return [OSWorldTask(json.loads(p.read_text())) for p in task_paths().values()]
+    return [OSWorldTask(read_task_file(p), source=str(p)) for p in task_paths().values()]
 

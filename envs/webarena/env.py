@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from bunshin_gym.core.env import ActionError, WorkspaceEnv
+from bunshin_gym.core.env import ActionError, WorkspaceEnv, blank_observation, check_text, printable
 from bunshin_gym.envs.webarena.actions import ActionSyntaxError, parse_action
 from bunshin_gym.envs.webarena.browser import SOCKET, BrowserClient, DriverError
 from bunshin_gym.envs.webarena.observation import Target, find_element, parse_aria, render_tree, tabs_line
@@ -44,6 +44,7 @@ DRIVER_SOURCE = Path(__file__).with_name("driver.py")
 DRIVER_PATH = "/var/lib/bunshin-web/driver.py"
 CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
 MAX_TEXT = 400_000
+MAX_ACTION = 8192
 
 
 @dataclass
@@ -119,7 +120,7 @@ class WebArenaEnv(WorkspaceEnv):
         if screenshot:
             obs["screenshot"] = spaces.Box(0, 255, (self.viewport[1], self.viewport[0], 3), np.uint8)
         self.observation_space = spaces.Dict(obs)
-        self.action_space = spaces.Text(8192, min_length=1, charset=CHARSET)
+        self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
         self._client: BrowserClient | None = None
         self._clear_episode()
 
@@ -192,8 +193,11 @@ class WebArenaEnv(WorkspaceEnv):
     def execute(self, action: Any) -> dict:
         self._last_error = ""
         try:
+            check_text(action, what="a WebArena action", max_bytes=4 * MAX_ACTION)
+            if len(action) > MAX_ACTION:
+                raise ActionError(f"a WebArena action is {len(action)} characters, over the limit of {MAX_ACTION}")
             act = parse_action(action)
-        except ActionSyntaxError as e:
+        except (ActionSyntaxError, ActionError) as e:
             return self._fail(str(e))
         if act.kind == "stop":
             self.answer = act.answer
@@ -221,8 +225,13 @@ class WebArenaEnv(WorkspaceEnv):
         return {"action": act.raw}
 
     def _fail(self, message: str) -> dict:
-        self._last_error = message
+        self._last_error = printable(message)
         raise ActionError(message)
+
+    def error_observation(self, message: str) -> dict:
+        obs = blank_observation(self.observation_space)
+        obs.update(instruction=self.task.instruction if self.task else "", last_action_error=message)
+        return obs
 
     def _target(self, element: str) -> Target:
         if element.isdigit():
