@@ -212,11 +212,12 @@ class DesktopClient:
 
     def __init__(self, ws: Any):
         self.ws = ws
-        # the path is taken at each connect: a rollback gives the workspace a new PID 1; actions
-        # are retried once on a stale connection, as they always were (the server had restarted)
+        # the path is taken at each connect: a rollback gives the workspace a new PID 1. Only
+        # what changes nothing is retried on a connection that broke: a server that dropped the
+        # connection may have run the action (and died), so an action is never sent twice
         self._client = Client(lambda: sock_path(ws, DESKTOP_SOCKET).connect(timeout=10.0),
                               name=f"{ws.id}: the desktop input server", timeout=120.0, max_blobs=MAX_REPLY,
-                              retry_ops=("ping", "screenshot", "pyautogui", "computer_13"), error=ChannelError)
+                              retry_ops=("ping", "screenshot"), error=ChannelError)
 
     def close(self) -> None:
         self._client.close()
