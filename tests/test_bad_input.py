@@ -265,3 +265,37 @@ def test_the_agent_client_retries_only_idempotent_requests(dropping_server):
     client.disconnect()
     # read_file may run twice (it changes nothing); the others ran once
     assert _seen(dropping_server) == ["exec", "write_file", "spawn", "read_file", "read_file"]
+
+
+# Bunshin-WebArena-v0 ---------------------------------------------------------------------------
+def test_webarena_bad_text_is_an_error_observation():
+    env = gym.make("Bunshin-WebArena-v0", task="webarena/1001", max_steps=10**6)
+    try:
+        env.reset()
+        for action, why in [*BAD_TEXT, ("type [1] [" + "z" * 8200 + "]", "over the limit of 8192"),
+                            (b"scroll [down]", "must be a string, not bytes")]:
+            obs, _, terminated, _, info = env.step(action)
+            assert why in info["error"] and why in obs["last_action_error"] and not terminated
+            assert env.observation_space.contains(obs)
+        obs, _, _, _, info = env.step("scroll [down]")
+        assert "error" not in info and obs["last_action_error"] == "" and obs["accessibility_tree"]
+    finally:
+        env.close()
+
+
+# any family: an unexpected exception in an action ----------------------------------------------
+def test_an_unexpected_exception_in_execute_is_reported_and_the_env_goes_on(monkeypatch):
+    from bunshin_gym.testing import fake_factory
+
+    env = gym.make("Bunshin-Shell-v0", task="shell/count-files", workspace_factory=fake_factory)
+    try:
+        env.reset()
+        real = env.unwrapped.execute
+        monkeypatch.setattr(env.unwrapped, "execute", lambda a: {}["no such key"])
+        obs, _, terminated, truncated, info = env.step("ls")
+        assert "KeyError" in info["error"] and not (terminated or truncated)
+        monkeypatch.setattr(env.unwrapped, "execute", real)
+        obs, _, _, _, info = env.step("echo fine")
+        assert "error" not in info and "echo fine" in obs["output"]
+    finally:
+        env.close()
