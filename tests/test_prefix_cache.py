@@ -11,7 +11,7 @@ import gymnasium as gym
 import pytest
 
 import bunshin_gym  # noqa: F401
-from bunshin_gym.rollout import PrefixCache
+from bunshin_gym.rollout import PrefixCache, TrajectoryLog
 
 APPEND = "echo x >> /home/user/calls.txt; wc -l < /home/user/calls.txt"
 
@@ -162,3 +162,22 @@ def test_hot_and_cold_restores_are_timed_apart(cache):
         assert env.step("cat /home/user/calls.txt")[0]["output"] == "x\n"
     finally:
         env.close()
+
+
+def test_the_log_keeps_the_observation_each_call_was_made_from(tmp_path):
+    log = TrajectoryLog(tmp_path / "log.jsonl")
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, log=log)
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        for _ in range(2):  # executed, then served: both logged alike
+            env.reset(options={"task": "shell/make-dir"})
+            env.step("echo first-output")
+            env.step("ls /nonexistent-dir")
+    finally:
+        env.close()
+        cache.clear()
+    entries = TrajectoryLog.load(log.path)
+    assert [e["served"] for e in entries] == ["executed", "executed", "cache", "cache"]
+    assert [e["depth"] for e in entries] == [0, 1, 0, 1]
+    assert entries[0]["observation"] == "" and entries[1]["observation"] == "first-output\n"
+    assert entries[3]["observation"] == "first-output\n"

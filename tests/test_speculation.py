@@ -146,3 +146,43 @@ def test_a_mismatch_kills_the_speculative_command_at_once():
         assert chain.fork._closed
     finally:
         env.close()
+
+
+def test_the_threshold_is_lower_for_historically_slow_tasks_and_stragglers():
+    entries = (log_entries({"t/fast": ["ls", "DONE"]}, duration=0.1)
+               + log_entries({"t/slow": ["du -sh /", "sort big", "DONE"]}, duration=1.0))
+    spec = Speculation.from_log(entries, min_duration=0.8)
+    assert spec.episode_times == {"t/fast": pytest.approx(0.2), "t/slow": pytest.approx(3.0)}
+    assert spec.threshold("t/fast") == 0.8  # faster than the median task: no lower
+    slow = 0.8 / (3.0 / 1.6)  # 1.6 s: the median episode over both tasks
+    assert spec.threshold("t/slow") == pytest.approx(slow)
+    assert spec.threshold("t/slow", elapsed=2.0) == pytest.approx(slow)
+    assert spec.threshold("t/slow", elapsed=3.5) == pytest.approx(slow / 2)  # a straggler now
+    assert spec.threshold("t/unknown") == 0.8
+
+
+def test_a_call_too_short_for_a_fork_is_speculated_in_a_historically_slow_task():
+    slow_task = log_entries({"shell/make-dir": [SLOW, "DONE"]}, duration=0.5)  # 1 s episodes
+    fast_task = log_entries({"shell/count-files": ["ls", "DONE"]}, duration=0.05)  # 0.1 s episodes
+    launched = {}
+    for name, entries in {"alone": slow_task, "among fast tasks": slow_task + fast_task}.items():
+        spec = Speculation.from_log(entries, min_duration=0.8)
+        env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+        try:
+            env.reset(options={"task": "shell/make-dir"})
+            launched[name] = (spec.stats.launched, spec.stats.skipped_fast)
+        finally:
+            env.close()
+    assert launched == {"alone": (0, 1), "among fast tasks": (1, 0)}
+
+
+def test_the_selector_reads_the_last_observation():
+    entries = []
+    for r in range(6):
+        listing, follow = ("a.txt", "cat a.txt") if r % 2 else ("b.txt", "cat b.txt")
+        for depth, (action, obs) in enumerate([("ls", ""), (follow, listing), ("DONE", "")]):
+            entries.append({"task": "t", "episode": f"e{r}", "depth": depth, "signature": signature(action),
+                            "action": action, "duration": 1.0, "observation": obs})
+    sel = SpecToolSelector.train(entries)
+    assert sel.predict("t", [signature("ls")], "a.txt\n")[0][1] == "cat a.txt"
+    assert sel.predict("t", [signature("ls")], "b.txt\n")[0][1] == "cat b.txt"

@@ -1,9 +1,13 @@
 """Speculative tool execution: run the predicted next calls in a fork while the policy thinks.
 
 After a step, :class:`SpeculativeWrapper` asks the :class:`SpecToolSelector` for the next
-``depth`` (K) calls. If the first of them is slow by the recorded timings (tail-aware: fast
-calls are not worth a fork), it forks the env and runs the chain there in the background,
-snapshotting the fork after each call but the last. Each actual call is compared with the
+``depth`` (K) calls, from the episode's calls so far and its last observation. It forks the
+env and runs the chain there in the background, snapshotting the fork after each call but
+the last, when the first call is slow enough to be worth a fork. That is tail-aware, from
+the trajectory log: a call qualifies when its recorded median duration reaches a
+threshold, and the threshold is lower for the samples that make an epoch's tail: tasks
+whose episodes historically take longer than the median task's, and an episode that has
+already run longer than its task's median episode (a straggler now). Each actual call is compared with the
 chain's next one (by :func:`signature` under the env's rules):
 
 - **match**: the speculated observation is returned and the state after that call adopted
@@ -25,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +43,7 @@ from bunshin_gym.rollout.observation import observation_text
 from bunshin_gym.rollout.selector import SpecToolSelector
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import Counted
+from bunshin_gym.rollout.trajlog import TrajectoryLog
 from bunshin_gym.workspace.errors import WorkspaceError
 
 logger = logging.getLogger(__name__)
@@ -66,16 +72,44 @@ class Speculation(Counted):
         depth: calls speculated ahead (K); beyond the first, the fork is snapshotted after
             each call so a later match can adopt the state at that point.
         durations: recorded median duration of each signature (``TrajectoryLog.durations``).
-        min_duration: speculate only when the predicted call took at least this long.
+        min_duration: speculate only when the predicted call took at least this long (for a
+            task of median slowness; see :meth:`threshold`).
+        episode_times: recorded median tool time of an episode of each task
+            (``TrajectoryLog.episode_times``): what makes a task or an episode slow.
     """
 
+    #: the most the threshold is lowered for a slow task, and the factor for a straggler episode
+    MAX_TASK_BOOST = 4.0
+    STRAGGLER_BOOST = 2.0
+
     def __init__(self, selector: SpecToolSelector, *, depth: int = 1, durations: dict[str, float] | None = None,
-                 min_duration: float = 0.3):
+                 min_duration: float = 0.3, episode_times: dict[str, float] | None = None):
         self.selector = selector
         self.depth = max(1, depth)
         self.durations = durations or {}
         self.min_duration = min_duration
+        self.episode_times = episode_times or {}
+        self._median_episode = statistics.median(self.episode_times.values()) if self.episode_times else 0.0
         self.stats = SpecStats()
+
+    @classmethod
+    def from_log(cls, entries: list[dict], selector: SpecToolSelector | None = None, **kwargs: Any) -> Speculation:
+        """Speculation configured from a trajectory log: the selector trained on it (unless
+        given), the calls' durations and the tasks' episode times."""
+        return cls(selector or SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
+                   episode_times=TrajectoryLog.episode_times(entries), **kwargs)
+
+    def threshold(self, task: str, elapsed: float = 0.0) -> float:
+        """Seconds a predicted call must have taken to be speculated, for an episode of
+        ``task`` that has spent ``elapsed`` seconds in tools so far."""
+        t = self.min_duration
+        mine = self.episode_times.get(task)
+        if mine is None or self._median_episode <= 0:
+            return t
+        t /= min(self.MAX_TASK_BOOST, max(1.0, mine / self._median_episode))  # a historically slow task
+        if elapsed > mine:  # this episode runs longer than the task's usual: a straggler
+            t /= self.STRAGGLER_BOOST
+        return t
 
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
@@ -112,6 +146,7 @@ class SpeculativeWrapper(BunshinWrapper):
         super().__init__(env)
         self.speculation = spec
         self.history: list[str] = []
+        self.elapsed = 0.0  # seconds this episode's calls took (served ones: as recorded)
         self.cached: set[str] = set()  # calls an outer prefix cache serves from here
         self._chain: _Chain | None = None
         self._served_s = 0.0  # fork seconds of the call _take served last
@@ -119,7 +154,7 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def _rewrap(self, inner: gym.Env) -> SpeculativeWrapper:
         twin = SpeculativeWrapper(inner, self.speculation)
-        twin.history = list(self.history)
+        twin.history, twin.elapsed = list(self.history), self.elapsed
         return twin
 
     def reset(self, **kwargs: Any):
@@ -130,7 +165,7 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def start_episode(self, obs: Any, info: dict) -> None:
         self.cancel_speculation()
-        self.history = []
+        self.history, self.elapsed = [], 0.0
         self._launch(obs)
 
     def rollback(self, snapshot=None, **kwargs: Any):
@@ -139,10 +174,13 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def step(self, action: Any):
         sig = signature(action, self.env)
+        t0 = time.perf_counter()
         served = self._take(sig)
         if served is None:
             obs, reward, term, trunc, info = self.env.step(action)
+            self.elapsed += time.perf_counter() - t0
         else:
+            self.elapsed += self._served_s
             obs, reward, term, trunc, info = served
             # speculation_s: what the call took in the fork (the time its log entry records)
             info = dict(info, speculation="hit", speculation_s=self._served_s)
@@ -163,6 +201,7 @@ class SpeculativeWrapper(BunshinWrapper):
         """An outer wrapper served this call: no speculation now, but remember the call."""
         self.cancel_speculation()
         self.history.append(sig)
+        self.elapsed += self.speculation.durations.get(sig, 0.0)
 
     def set_cached(self, sigs: set[str]) -> None:
         self.cached = set(sigs)
@@ -231,7 +270,7 @@ class SpeculativeWrapper(BunshinWrapper):
         if calls[0].sig in self.cached:
             self.speculation.count(skipped_cached=1)
             return
-        if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.min_duration:
+        if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.threshold(base.task.id, self.elapsed):
             self.speculation.count(skipped_fast=1)
             return
         self._chain = _Chain(calls)
