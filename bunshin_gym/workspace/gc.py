@@ -62,6 +62,9 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         rep.cgroups.append(name)
     if pool.is_mounted(p.pool):
         rep.snapshots = _sweep_snapshots(p)
+        cleared = pool.clear_stale_qgroups(p.pool)  # quota groups of subvolumes deleted since
+        if cleared:
+            log.info("removed %d stale quota groups", cleared)
         with build_lock(p, blocking=False) as held:
             for tmp in sorted(p.images.glob(".build-*")) if held else []:
                 pool.delete_subvolume(tmp)

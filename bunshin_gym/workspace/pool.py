@@ -199,3 +199,14 @@ def disk_usage(path: Path) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return used, limit if limit < 1 << 63 else 0
+
+
+def clear_stale_qgroups(pool_path: Path) -> int:
+    """Remove the quota groups of deleted subvolumes (``bunshin gc``); returns how many went.
+
+    The kernel keeps a deleted subvolume's qgroup until asked; one whose extents are still
+    being freed (the cleaner runs every commit, ~30 s) is busy and goes in a later run."""
+    if quota_mode(pool_path) is None:
+        return 0
+    proc = subprocess.run(["btrfs", "qgroup", "clear-stale", str(pool_path)], capture_output=True, text=True)
+    return proc.stdout.count("Delete stale qgroup")

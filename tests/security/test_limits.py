@@ -4,6 +4,8 @@ and its siblings keep running. Clones keep their snapshot's limits."""
 
 from __future__ import annotations
 
+import subprocess
+
 import gymnasium as gym
 import pytest
 
@@ -87,3 +89,18 @@ def test_clones_inherit_their_snapshots_limits():
                 assert pool.disk_usage(clone.upper.parent)[1] == 40 << 20
         finally:
             snap.release()
+
+
+def test_gc_removes_the_quota_group_of_a_closed_workspace():
+    from bunshin_gym.config import paths
+    from bunshin_gym.workspace import gc
+
+    p = paths()
+    ws = Workspace.create("base", limits={"disk": "32M"})
+    sid = pool.subvolume_id(ws.upper.parent)
+    qgroup = pool._qgroups(p.pool) / f"0_{sid}"
+    assert qgroup.is_dir()
+    ws.close()
+    subprocess.run(["btrfs", "subvolume", "sync", str(p.pool), str(sid)], check=True, timeout=120)  # cleaned
+    gc.collect(p)
+    assert not qgroup.exists()

@@ -87,7 +87,7 @@ def test_checker_runs_outside_the_workspace_as_nobody(env):
     env.step("echo secret > /home/user/mine.txt && chmod 600 /home/user/mine.txt")
     res = pristine.run(env.workspace, "id -u; cat /home/user/mine.txt; ls /proc | wc -l; "
                                       "touch /home/user/x 2>&1 | grep -c 'Read-only'; "
-                                      "setpriv --dump | grep -c 'Capability bounding set: dac_override,dac_read_search'")
+                                      "setpriv --dump | grep -c 'bounding set: dac_override,dac_read_search'")
     uid, secret, procs, readonly, bounding = res.text.split()
     assert (uid, secret, procs, readonly, bounding) == ("65534", "secret", "0", "1", "1")
     assert not env.workspace.cgroup.is_frozen()  # thawed again after the check
