@@ -97,3 +97,24 @@ def test_a_member_whose_workspace_is_killed_mid_step_fails_alone():
         assert len(trajs[1].steps) == 1 and step.tool_s < 15  # it did not wait for the command
     finally:
         envs.close()
+
+
+def test_a_desktop_killed_mid_action_gives_an_error_observation_and_resets_after():
+    """The desktop env: its workspace SIGKILLed while a pyautogui action runs. The step
+    returns (no exception, no input-server restart loop), truncated, with an observation of
+    the space; the next reset brings a working desktop back."""
+    env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False,
+                   task="osworld/terminal-mkdir-projects")
+    try:
+        env.reset()
+        killer = threading.Timer(1.0, os.kill, (env.unwrapped.workspace.pid, signal.SIGKILL))
+        killer.start()
+        obs, reward, terminated, truncated, info = env.step("import time\ntime.sleep(8)")
+        killer.join()
+        assert info["workspace_failed"] and truncated and not terminated and reward == 0.0, info
+        assert env.observation_space.contains(obs)
+        env.reset()
+        obs, _, _, _, info = env.step("pyautogui.moveTo(5, 5)")
+        assert "error" not in info and obs["screenshot"].any()
+    finally:
+        env.close()
