@@ -23,7 +23,7 @@ import pytest
 
 from bunshin_gym.envs.osworld import tasks
 from bunshin_gym.envs.osworld.xclient import XError, XScreen
-from bunshin_gym.workspace import AgentError
+from bunshin_gym.workspace import AgentError, Workspace
 
 HOSTILE = Path(__file__).with_name("hostile_servers.py")
 MiB = 1 << 20
@@ -41,15 +41,25 @@ def peak_rss() -> int:
     raise AssertionError("no VmHWM in /proc/self/status")
 
 
-def bounded(fn, seconds: float):
-    """fn() in a thread; fails the test (instead of hanging it) when it takes longer."""
+def bounded(fn, seconds: float, unblock=None):
+    """fn() in a thread; fails the test (instead of hanging it) when it takes longer, after
+    ``unblock()`` released the blocked request (so that the workspace can still be closed)."""
     pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn)
     try:
-        return pool.submit(fn).result(timeout=seconds)
+        return future.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
+        if unblock is not None:
+            unblock()
         pytest.fail(f"still blocked after {seconds} s (the controller hangs on the workspace)")
     finally:
         pool.shutdown(wait=False)
+
+
+def open_fifo_writer(ws, path: str):
+    """An unblocker: opens the FIFO for writing through another connection (the blocked
+    reader then sees end of file)."""
+    return lambda: Workspace.attach(ws.id).exec(f"exec 3>{path}", timeout=10)
 
 
 def test_a_command_printing_800_mb_is_cut_and_the_controller_stays_small(ws):
@@ -87,7 +97,7 @@ def test_read_file_refuses_what_has_no_end(fresh_ws, kind):
             ws.read_file(path)
         return ei.value
 
-    err = bounded(read, 20)
+    err = bounded(read, 20, open_fifo_writer(ws, path) if kind == "fifo" else None)
     assert time.monotonic() - t0 < 10
     assert "refused" in str(err) and path in str(err)
     assert err.errno == (errno.EFBIG if kind == "sparse-50G" else errno.EINVAL)
@@ -99,7 +109,8 @@ def test_osworld_getter_on_a_fifo_scores_nothing_and_does_not_hang(fresh_ws):
     with tempfile.TemporaryDirectory() as d:
         env = SimpleNamespace(workspace=ws, eval_dir=d)
         for name in ("answer.txt", "big.txt"):
-            got = bounded(lambda n=name: tasks.get_vm_file(env, {"path": f"~/{n}", "dest": n}), 20)
+            got = bounded(lambda n=name: tasks.get_vm_file(env, {"path": f"~/{n}", "dest": n}), 20,
+                          open_fifo_writer(ws, f"/home/user/{name}"))
             assert got is None  # a file that cannot be read scores as a missing one
             assert not (Path(d) / name).exists()
     assert ws.exec("true").ok  # the agent still answers
