@@ -56,11 +56,13 @@ class AgentClient:
     """
 
     def __init__(self, pid1: int, name: str, *, max_output: int = MAX_OUTPUT, max_read: int = MAX_READ):
-        self._target = RootedPath(pid1, AGENT_SOCKET)
+        target = RootedPath(pid1, AGENT_SOCKET)
         self._name = name
         self.max_output = max_output
         self.max_read = max_read
-        self._client = Client(lambda: self._target.connect(timeout=REQUEST_TIMEOUT), name=f"{name}: agent",
+        # the connector holds the path, not self: no reference cycle, so a dropped client
+        # closes its socket at once (an open one would keep the workspace from a snapshot)
+        self._client = Client(lambda: target.connect(timeout=REQUEST_TIMEOUT), name=f"{name}: agent",
                               timeout=REQUEST_TIMEOUT, max_blobs=MAX_REPLY, retry_ops=IDEMPOTENT, error=ChannelError)
 
     def wait_ready(self, timeout: float) -> None:

@@ -39,9 +39,11 @@ class BrowserClient:
     """
 
     def __init__(self, pid1: int, timeout: float = 60.0):
-        self.path = RootedPath(pid1, SOCKET)
+        self.path = path = RootedPath(pid1, SOCKET)
         self.timeout = timeout
-        self._client = Client(lambda: self.path.connect(timeout=10.0), name=f"the browser driver at {self.path}",
+        # the connector holds the path, not self: no reference cycle, so a dropped client
+        # closes its socket at once (an open one would keep the workspace from a snapshot)
+        self._client = Client(lambda: path.connect(timeout=10.0), name=f"the browser driver at {path}",
                               timeout=timeout, max_blobs=MAX_REPLY, retry_ops=(), error=ChannelError)
 
     def close(self) -> None:
