@@ -119,7 +119,7 @@ def test_binary_output_is_byte_exact(ws):
 # stdin ---------------------------------------------------------------------------------
 def test_stdin_is_fed_byte_exact(ws):
     data = bytes(range(256)) * 4096 + b"\x00tail"
-    res = ws.exec("cat", stdin=data, check=True)
+    res = ws.exec("cat", stdin=data, check=True, max_output=len(data))  # over the default cap of 1 MiB
     assert res.stdout == data
     assert ws.exec("wc -c", stdin=os.urandom(MB10), check=True).text.strip() == str(MB10)
 
