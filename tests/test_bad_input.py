@@ -299,3 +299,21 @@ def test_an_unexpected_exception_in_execute_is_reported_and_the_env_goes_on(monk
         assert "error" not in info and "echo fine" in obs["output"]
     finally:
         env.close()
+
+
+def test_desktop_input_server_killed_between_steps_is_restarted_and_the_action_runs(desktop):
+    """A server found dead before the action reached it: restarted, and the action sent to
+    the new one (it never ran, so nothing is lost and nothing runs twice)."""
+    _desktop_works(desktop)  # the env holds a connection to the current server
+    pid = _server_pid(desktop)
+    ws = desktop.unwrapped.workspace
+    assert ws.exec(["kill", "-9", str(pid)]).ok
+    before = _runs(desktop)
+    _, _, _, _, info = desktop.step(f"open({RAN!r}, 'a').write('x\\n'); print('ran')")
+    assert "error" not in info and info["output"].strip() == "ran", info
+    assert _runs(desktop) == before + 1 and _server_pid(desktop) != pid
+    # and when no connection was open either (a fresh client finds no server)
+    desktop.unwrapped.release_connections()
+    assert ws.exec(["kill", "-9", str(_server_pid(desktop))]).ok
+    desktop.unwrapped.release_connections()
+    _desktop_works(desktop)

@@ -45,7 +45,7 @@ from bunshin_gym.envs.osworld import desktop, tasks
 from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
 from bunshin_gym.envs.osworld.xclient import XScreen
 from bunshin_gym.workspace.errors import AgentError, ChannelError, WorkspaceError
-from bunshin_gym.workspace.protocol import MAX_HEADER
+from bunshin_gym.workspace.protocol import MAX_HEADER, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -240,19 +240,34 @@ class OSWorldEnv(WorkspaceEnv):
         if size > MAX_REQUEST:
             raise ActionError(f"the action is {size} bytes as a request, over the input server's frame of "
                               f"{MAX_REQUEST} bytes (non-ASCII text takes up to 12 bytes a character there)")
-        try:
-            reply = self._client().request(req, timeout=self.action_timeout + 10)
-        except ChannelError as e:
-            # the server died (os._exit, a crash) or hangs (the action ignored SIGALRM): the
-            # action's effects so far stay; the server is replaced, the episode goes on
-            self.restart_input_server()
-            raise ActionError(f"the action broke the desktop input server ({e}); it was restarted") from None
+        reply = self._run_action(req)
         if self.settle:
             time.sleep(self.settle)
         self.record_timing(action_s=reply.get("duration", 0.0))
         if "error" in reply:
             raise ActionError(reply["error"])
         return {"output": reply["output"]} if reply.get("output") else {}
+
+    def _run_action(self, req: dict) -> dict:
+        """Send an action to the input server, which is restarted if it is dead or hangs. An
+        action that never reached a server (it was found dead) is sent to the new one; one
+        that did may have run, and is not sent again."""
+        for attempt in (0, 1):
+            try:
+                return self._client().request(req, timeout=self.action_timeout + 10)
+            except ChannelError as e:
+                # no connection; a broken pipe on sending; or a reset, which a unix socket gets
+                # when its peer closed with our request unread (one that read it and died
+                # gives end-of-file): in each case no server read the request
+                never_sent = isinstance(e.__cause__, (Unreachable, BrokenPipeError, ConnectionResetError))
+                # dead (os._exit, a crash) or hung (the action ignored SIGALRM): the effects
+                # so far stay; the server is replaced and the episode goes on
+                self.restart_input_server()
+                if not never_sent or attempt == 1:
+                    raise ActionError(f"the action broke the desktop input server ({e}); it was restarted") from None
+                log.warning("%s: the desktop input server was gone (%s); restarted, sending the action to it",
+                            self.workspace.id, e)
+        raise AssertionError("unreachable")
 
     def restart_input_server(self) -> None:
         """Replace the workspace's input server (killed first if it still runs) and wait until
