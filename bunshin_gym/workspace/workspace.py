@@ -25,7 +25,7 @@ from bunshin_gym.config import Limits, Paths, paths
 from bunshin_gym.workspace import kmod, pool, records, snapshot, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
-from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
+from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
 from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
 from bunshin_gym.workspace.memstat import rollup
@@ -201,13 +201,36 @@ class Workspace:
         if self._closed:
             raise WorkspaceClosed(f"workspace {self.id} is closed")
 
-    def _agent(self) -> AgentClient:
+    def _agent(self) -> _DeathReporting:
+        self.check()
+        if self._client is None:
+            raise WorkspaceError(f"workspace {self.id} has no agent")
+        return _DeathReporting(self, self._client)
+
+    def check(self) -> None:
+        """Raise :class:`WorkspaceClosed`, saying why, when the workspace can no longer be used:
+        closed, its processes killed (PID 1 gone), or its uffd monitor dead (the clone is then
+        stopped at once: it must not read stale memory). Envs call it before every step, since
+        some steps reach the workspace through their own channels (X, the browser driver)."""
         self._check_open()
         if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
             raise WorkspaceClosed(why)
-        if self._client is None:
-            raise WorkspaceError(f"workspace {self.id} has no agent")
-        return self._client
+        if self._rec.pid1 is not None and not self._rec.running():
+            raise WorkspaceClosed(self._died())
+
+    def _died(self) -> str:
+        return (f"workspace {self.id} is no longer running: its processes were killed (PID 1, host pid "
+                f"{self._rec.pid1}, is gone); close it")
+
+    def _death_while(self, op: str | None, error: WorkspaceError) -> WorkspaceClosed | None:
+        """After a request failed to reach the agent: WorkspaceClosed if the reason is that the
+        workspace died (killed mid-request, or its uffd monitor gone), else None. PID 1 dies a
+        moment after the agent when the whole workspace is killed: wait for it briefly."""
+        if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
+            return WorkspaceClosed(f"{why} (during {op}: {error})")
+        if self._rec.pid1 is None or not _wait_gone(self._rec.pid1, 0.2) or self._rec.running():
+            return None
+        return WorkspaceClosed(f"{self._died()} (during {op}: {error})")
 
     # commands and files --------------------------------------------------------------
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 120.0, env: dict | None = None,
