@@ -64,10 +64,11 @@ class Unreachable(ProtocolError):
 
 
 # framing ------------------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
-    buf = bytearray(n)
+def recv_into(sock: socket.socket, buf: bytearray, deadline: float | None) -> None:
+    """Fill ``buf`` from ``sock``; the deadline (``time.monotonic()``, None: none) bounds the
+    whole of it, so a peer dripping one byte at a time cannot stretch it."""
     view = memoryview(buf)
-    got = 0
+    got, n = 0, len(buf)
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -81,6 +82,11 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         if k == 0:
             raise ProtocolError("connection closed")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, buf, deadline)
     return bytes(buf)
 
 

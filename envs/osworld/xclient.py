@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from bunshin_gym.workspace.inroot import RootedPath
-from bunshin_gym.workspace.protocol import connect_path
+from bunshin_gym.workspace.protocol import ProtocolError, RequestTimeout, connect_path, recv_into
 
 #: default cap on one reply (a 4K screen at 32 bits is 33 MB)
 MAX_REPLY = 128 << 20
@@ -148,17 +148,9 @@ def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 def _recv_into(sock: socket.socket, buf: bytearray, deadline: float) -> None:
     """Fill ``buf``; the deadline bounds the whole reply (a server dripping bytes cannot stretch it)."""
-    view = memoryview(buf)
-    got, n = 0, len(buf)
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise XError(f"X server did not send its reply in time ({got} of {n} bytes came)")
-        sock.settimeout(left)
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except TimeoutError as e:
-            raise XError(f"X server did not send its reply in time ({got} of {n} bytes came)") from e
-        if k == 0:
-            raise XError("X server closed the connection")
-        got += k
+    try:
+        recv_into(sock, buf, deadline)
+    except RequestTimeout as e:
+        raise XError(f"X server did not send its reply in time: {e}") from e
+    except ProtocolError as e:
+        raise XError("X server closed the connection") from e

@@ -17,7 +17,6 @@ import pytest
 
 from bunshin_gym.envs.osworld import desktop
 from bunshin_gym.envs.osworld.env import OSWorldEnv
-from bunshin_gym.envs.osworld.xclient import XScreen
 from bunshin_gym.envs.webarena.browser import BrowserClient
 from bunshin_gym.envs.webarena.env import WebArenaEnv
 
@@ -38,24 +37,13 @@ def _until(pred, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def _x_up(ws) -> bool:
-    scr = XScreen(desktop.sock_path(ws, desktop.X_SOCKET), timeout=2)
-    try:
-        scr.connect()
-        return True
-    except OSError:
-        return False
-    finally:
-        scr.close()
-
-
 class HostileDesktopEnv(OSWorldEnv):
     """The OSWorld env on a workspace whose X server and input server are the stand-ins."""
 
     def boot(self, ws) -> None:
         _start(ws, "x", desktop.X_SOCKET)
         _start(ws, "silent-desktop")
-        _until(lambda: _x_up(ws), "the stand-in X server")
+        _until(lambda: desktop._x_answers(desktop.sock_path(ws, desktop.X_SOCKET)), "the stand-in X server")
         _until(lambda: desktop.DesktopClient(ws).ping(), "the stand-in input server")
 
     def restart_input_server(self) -> None:
