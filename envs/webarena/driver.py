@@ -15,10 +15,13 @@ Containment. The driver is started as root only to bind its socket in ``/run/bun
 (root's directory, next to the agent's socket); before it starts playwright it becomes
 ``--user`` (no supplementary groups, no capabilities, ``no_new_privs``, so not even the
 user's sudo works from a browser process), so node and every chromium process run
-unprivileged. Chromium keeps ``--no-sandbox``: its own sandbox needs a user namespace
-(refused inside a workspace by the seccomp filter) or a setuid helper (Debian ships none),
-and what contains a compromised renderer instead is the workspace (its namespaces, the
-reduced capability set and seccomp filter, only ``lo``) plus this unprivileged user.
+unprivileged. Chromium keeps ``--no-sandbox``: its own sandbox puts the zygote and the
+renderers in nested user and pid namespaces (Debian ships no setuid helper), and CRIU cannot
+checkpoint those (tried: started as ``user`` without ``--no-sandbox`` in a web workspace,
+chromium runs, and the snapshot fails with "Can't dump nested pid namespace"), and the
+contained workspace's seccomp filter refuses new user namespaces (issue 13) in any case. What contains a compromised
+renderer instead is the workspace (its namespaces, reduced capabilities, seccomp filter,
+memory/pids limits, only ``lo``) plus this unprivileged user without new privileges.
 Where the browser may go: only ``about:blank`` and the env's sites (``--allow-origin``).
 The controller refuses other ``goto`` URLs before they reach here; here every URL the
 driver is asked to open is checked again, requests to other origins are aborted by a
