@@ -11,6 +11,17 @@ Task format (JSON, ``envs/shell/tasks/*.json``)::
 
 Actions run as ``user`` in ``/home/user`` (as in OSWorld). ``DONE`` ends the episode and
 ``FAIL`` gives up; both are then scored by the checker.
+
+The checker does not run inside the workspace, where a policy with sudo could have replaced
+``test``, ``wc`` or ``sqlite3``: it runs on the host with the image's own binaries over a
+read-only view of the workspace's files (:mod:`bunshin_gym.workspace.pristine`), in
+``/home/user``, as ``nobody`` allowed to read every file, with no ``$HOME`` and no network.
+A checker can compare the workspace's files with values or with the image's files
+(``/usr/...`` is always the image's), but cannot use software the episode installed.
+
+Each workspace has memory, process and disk limits (``limits=``, see
+:class:`~bunshin_gym.config.Limits`); a command that hits one gets a ``[bunshin: ...]`` line
+at the end of its output naming the limit.
 """
 
 from __future__ import annotations
