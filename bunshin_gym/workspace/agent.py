@@ -211,16 +211,20 @@ def op_read_file(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
     cap = int(req.get("max_bytes") or DEFAULT_MAX_READ)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     st = _refuse_special(fd, path)
-    with os.fdopen(fd, "rb") as f:
+    try:
         if st.st_size > cap:
             raise OSError(errno.EFBIG, f"refused: {path} is {st.st_size} bytes, over the cap of {cap} bytes", path)
-        # /proc files report size 0, and a file may grow while read: the read itself is bounded,
-        # in chunks (procfs refuses one read of the whole cap with ENOMEM)
+        # /proc files report size 0, and a file may grow while read: the read itself is bounded
+        # (the first read asks for the whole file; procfs refuses one read of the whole cap)
         data = bytearray()
-        while chunk := f.read(min(CHUNK, cap + 1 - len(data))):
+        step = max(st.st_size + 1, 4096)
+        while chunk := os.read(fd, min(step, cap + 1 - len(data))):
             data += chunk
+            step = CHUNK
             if len(data) > cap:
                 raise OSError(errno.EFBIG, f"refused: {path} is over the cap of {cap} bytes", path)
+    finally:
+        os.close(fd)
     return {}, [bytes(data)]
 
 
