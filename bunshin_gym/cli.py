@@ -132,6 +132,8 @@ def _cmd_gc(args) -> int:
         items = getattr(rep, kind)
         if items:
             print(f"reclaimed {len(items)} {kind.replace('_', ' ')}: {', '.join(items)}")
+    if rep.thawed:  # sources an interrupted snapshot had left frozen
+        print(f"thawed {len(rep.thawed)} workspaces: {', '.join(rep.thawed)}")
     if not rep.total():
         print("nothing to reclaim")
     return 0

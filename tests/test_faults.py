@@ -648,3 +648,35 @@ def test_the_seize_retry_gets_past_a_task_criu_cannot_seize(fresh_ws, monkeypatc
             break
     print(f"\ndump tries per snapshot: {tries}")
     assert max(tries) > 1, "no dump met an unseizable task: the retry was not exercised"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not uffd.available(), reason="userfaultfd minor faults on shmem unavailable")
+@pytest.mark.parametrize("env_id,task,action", [
+    ("Bunshin-OSWorld-v0", "osworld/terminal-mkdir-projects", "pyautogui.moveTo(5, 5)"),
+    ("Bunshin-WebArena-v0", "webarena/1001", "goto [__SHOPPING__/contact/]")])
+def test_the_next_step_of_a_desktop_or_web_env_whose_monitor_died_reports_it(env_id, task, action):
+    """These envs act through their own channels (the input server, the browser driver), not
+    the agent: before, their step ran on in a clone whose anonymous memory nobody served."""
+    import gymnasium as gym
+
+    import bunshin_gym  # noqa: F401 - registers the envs
+
+    kw = {"action_space": "pyautogui", "require_a11y_tree": False} if "OSWorld" in env_id else {}
+    env = gym.make(env_id, memory_mode="share", **kw)
+    try:
+        env.reset(options={"task": task})
+        env.unwrapped.rollback()  # now a share-mode clone of the reset snapshot, served by its monitor
+        ws = env.unwrapped.workspace
+        u = dict(ws._rec.extra["uffd"])
+        pids = ws.pids()
+        os.kill(u["guard"], signal.SIGKILL)
+        os.kill(u["worker"], signal.SIGKILL)
+        _wait_for(lambda: not uffd.monitor_alive(ws._rec), timeout=10)
+        obs, reward, terminated, truncated, info = env.step(action)
+        assert info.get("workspace_failed") and "uffd monitor" in info["error"], info
+        assert truncated and reward == 0.0 and env.observation_space.contains(obs)
+        _wait_for(lambda: not any(records.process_alive(q, records.proc_start_time(q)) for q in pids),
+                  timeout=10, step=0.02)
+    finally:
+        env.close()

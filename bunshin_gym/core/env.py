@@ -298,6 +298,7 @@ class WorkspaceEnv(gym.Env):
         self._timing = {}
         info: dict = {}
         try:
+            self._check_workspace()
             info.update(self.execute(action) or {})
         except (ActionError, AgentError) as e:  # AgentError: it ran in the workspace and failed there
             info["error"] = printable(str(e))
@@ -320,6 +321,14 @@ class WorkspaceEnv(gym.Env):
             return self._workspace_failed(e, info, t0)
         self.last_step_timing = {**self._timing, "step_s": time.perf_counter() - t0}
         return obs, reward, terminated, truncated, info
+
+    def _check_workspace(self) -> None:
+        """WorkspaceClosed if the live workspace died or lost its uffd monitor (it is then
+        stopped: it must not read stale memory). Families that reach the workspace through
+        their own channels (X, the browser driver) would not notice the latter."""
+        check = getattr(self._ws, "check", None)  # test doubles may have none
+        if check is not None:
+            check()
 
     def _workspace_failed(self, error: Exception, info: dict, t0: float):
         """The end of an episode whose workspace failed mid-step."""

@@ -226,6 +226,17 @@ def verify(snap: Snapshot) -> None:
                     raise SnapshotError(f"snapshot {snap.id} needs snapshot {need}, which is unusable: {e}") from e
 
 
+def reseal(snap: Snapshot) -> None:
+    """Record the checksums of a snapshot's images again, after rewriting them on purpose
+    (flattening, :func:`delta.materialize`); a snapshot without sums stays without."""
+    if "checksums" not in snap.meta:
+        return
+    snap.meta["checksums"] = integrity.checksums(snap.criu_dir)
+    on_disk = json.loads((snap.path / "meta.json").read_text())
+    on_disk["checksums"] = snap.meta["checksums"]
+    _write_meta(snap.path, on_disk)
+
+
 # taking a snapshot ---------------------------------------------------------------------
 def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) -> Snapshot:
     """Snapshot a live workspace: freeze, snapshot the upper layer, dump, thaw.
