@@ -17,6 +17,8 @@ the policy wants. Checkers therefore run on the host, in a throw-away sandbox:
 * fresh pid, net (only a down ``lo``; or, for checkers that query a live service such as
   chromium's DevTools, the workspace's own net namespace), ipc and uts namespaces, so the
   checker can neither see nor signal the workspace's processes, nor they it;
+* when the workspace runs in a user namespace (its files' owners shifted on disk), a user
+  namespace with the workspace's id map, so owners read as they do inside;
 * ``chroot`` into that root, then ``setpriv`` to ``nobody`` keeping only the capabilities to
   read and search every file (``dac_override``, ``dac_read_search``; everything else out of
   the bounding set, no new privileges), a clean environment (``PATH=/usr/bin:/usr/sbin``,
@@ -73,6 +75,29 @@ mknod -m 666 "$root/dev/full" c 1 7
 mknod -m 666 "$root/dev/random" c 1 8
 mknod -m 666 "$root/dev/urandom" c 1 9
 ip link set lo up 2>/dev/null || true
+if [ -n "$CHECK_IDMAP" ]; then
+    # the workspace's files carry shifted owners: run in a user namespace with its id map, so
+    # that owners read as inside (stat -c %U) and the read capabilities cover exactly them.
+    # A holder makes the namespace; the checker enters it as its root (uid 0 inside), which
+    # keeps the capabilities chroot and setpriv need across exec
+    unshare --user sleep 600 &
+    holder=$!
+    outer=$(readlink /proc/self/ns/user)
+    while [ "$(readlink "/proc/$holder/ns/user")" = "$outer" ]; do sleep 0.001; done  # not unshared yet
+    printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/uid_map"
+    printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/gid_map"
+    set +e
+    nsenter --user="/proc/$holder/ns/user" --setuid=0 --setgid=0 -- \
+        chroot "$root" /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups \
+        --inh-caps=-all,+dac_override,+dac_read_search --ambient-caps=-all,+dac_override,+dac_read_search \
+        --bounding-set=-all,+dac_override,+dac_read_search --no-new-privs -- \
+        /usr/bin/env -i PATH=/usr/bin:/usr/sbin HOME="$CHECK_HOME" USER="$CHECK_USER" LOGNAME="$CHECK_USER" \
+        LANG=C.UTF-8 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 TMPDIR=/tmp \
+        /usr/bin/sh -c 'cd -- "$1" 2>/dev/null || cd /; exec /usr/bin/sh -c "$2"' checker "$cwd" "$cmd"
+    status=$?
+    kill "$holder"
+    exit "$status"
+fi
 exec chroot "$root" /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups \
     --inh-caps=-all,+dac_override,+dac_read_search --ambient-caps=-all,+dac_override,+dac_read_search \
     --bounding-set=-all,+dac_override,+dac_read_search --no-new-privs -- \
@@ -117,8 +142,20 @@ def _pin(dst: Path, image: Path) -> None:
     os.mknod(dst / "etc" / "ld.so.preload", stat.S_IFCHR | 0o600, os.makedev(0, 0))
 
 
+def id_map(pid1: int) -> str | None:
+    """The workspace's uid map (``inside outside count`` lines) when it is not the identity."""
+    try:
+        text = Path(f"/proc/{pid1}/uid_map").read_text().strip()
+    except OSError:
+        return None
+    if text.split() == ["0", "0", "4294967295"]:
+        return None
+    return "\n".join(" ".join(line.split()) for line in text.splitlines())
+
+
 def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", user: str = "root",
-        timeout: float = 60.0, workspace_net: bool = False, freeze: bool = True) -> CheckResult:
+        timeout: float = 60.0, workspace_net: bool = False, freeze: bool = True,
+        idmap: str | None = None) -> CheckResult:
     """Run a checker shell line over a live workspace's files with its image's binaries.
 
     Args:
@@ -131,6 +168,9 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
         workspace_net: join the workspace's network namespace (to query a service it runs,
             e.g. chromium's DevTools on its loopback) instead of an empty one.
         freeze: freeze the workspace while the checker reads its files.
+        idmap: run in a user namespace with this id map (``inside outside count`` lines);
+            default: the workspace's own, when it has one (its files' owners are shifted on
+            disk, and read as inside the workspace only through that map).
     """
     rec = ws._rec
     image = Path(rec.image_path)
@@ -139,7 +179,8 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
         raise WorkspaceError(f"workspace {rec.id}: a layer path holds ':' or ',', which overlayfs cannot take")
     p = paths()
     p.run.mkdir(parents=True, exist_ok=True)
-    ns = ["--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--propagation", "private"]
+    # --mount-proc: the setup script finds its own children under /proc (their pid namespace)
+    ns = ["--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--propagation", "private", "--mount-proc"]
     if workspace_net:
         net = [f"--net=/proc/{rec.pid1}/ns/net"]
         runner = ["nsenter", *net, "--", "unshare", *ns]
@@ -147,12 +188,14 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
         runner = ["unshare", "--net", *ns]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="check-", dir=p.run) as tmp:
+        os.chmod(tmp, 0o755)  # searchable from a user namespace whose ids do not map host root
         pin, root = Path(tmp) / "pin", Path(tmp) / "root"
         pin.mkdir()
         root.mkdir()
         _pin(pin, image)
         argv = [*runner, "/bin/sh", "-c", _SETUP, "setup", str(pin), str(root), lower, str(image), cwd, command]
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CHECK_HOME": home, "CHECK_USER": user}
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CHECK_HOME": home, "CHECK_USER": user,
+               "CHECK_IDMAP": idmap or (id_map(rec.pid1) if rec.pid1 else None) or ""}
         frozen = False
         if freeze:
             ws.freeze()

@@ -92,3 +92,18 @@ def test_checker_runs_outside_the_workspace_as_nobody(env):
     assert (uid, secret, procs, readonly, bounding) == ("65534", "secret", "0", "1", "1")
     assert not env.workspace.cgroup.is_frozen()  # thawed again after the check
     assert env.workspace.exec("echo alive").text.strip() == "alive"
+
+
+def test_checker_reads_shifted_owners_through_the_workspaces_id_map(env):
+    """With a user-namespaced workspace the files' owners are shifted on disk (inside uid 1000
+    is host uid 1001000 under the map ``0 1000000 65536``): the checker runs with that map
+    and sees the owners as the workspace does."""
+    from bunshin_gym.workspace import pristine
+
+    env.reset(options={"task": "shell/hello-file"})
+    env.workspace.exec("mkdir -p /srv/t && echo x > /srv/t/f && chown 1001000:1001000 /srv/t/f", check=True)
+    plain = pristine.run(env.workspace, "stat -c '%u %U' /srv/t/f")
+    assert plain.text.split() == ["1001000", "UNKNOWN"]
+    mapped = pristine.run(env.workspace, "stat -c '%u %U' /srv/t/f; id -u; cat /srv/t/f",
+                          idmap="0 1000000 65536")
+    assert mapped.text.split() == ["1000", "user", "65534", "x"], mapped.stderr
