@@ -68,5 +68,12 @@ def test_real_osworld_env_passes_gymnasium_checker():
 
 
 @pytest.mark.slow
+def test_real_osworld_env_with_pyautogui_and_the_terminal_passes_gymnasium_checker():
+    """The other action space (random code strings) and the terminal transcript; ~40 s."""
+    _check_real("Bunshin-OSWorld-v0", task="osworld/terminal-mkdir-projects", action_space="pyautogui",
+                require_terminal=True)
+
+
+@pytest.mark.slow
 def test_real_webarena_env_passes_gymnasium_checker():
     _check_real("Bunshin-WebArena-v0", task="webarena/1001")
