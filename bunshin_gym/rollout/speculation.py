@@ -249,6 +249,9 @@ class SpeculativeWrapper(BunshinWrapper):
             if chain.last_run != pos or fork is None or fork._ws is None:
                 self.cancel_speculation()
                 return None
+            # the fork's connections into the workspace (a browser driver, X) go with it: the
+            # env adopting it opens its own, and a leftover one blocks its driver and snapshots
+            fork.release_connections()
             base.adopt(fork._ws, EnvSnapshot(None, fork.task, fork.steps, fork.done, fork.episode_state()))
             fork._ws = None
             self.cancel_speculation()
