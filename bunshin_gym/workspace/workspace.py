@@ -188,13 +188,16 @@ class Workspace:
         """The memory, pids and disk limits this workspace was started (or restored) with."""
         return Limits.parse(self._rec.extra.get("limits"))
 
-    def limit_state(self) -> dict[str, int]:
+    def limit_state(self, disk: bool = True) -> dict[str, int]:
         """Counters to tell whether an action hit a limit (compare two readings with
-        :func:`limits_hit`): kernel OOM kills, refused forks, disk bytes charged and the cap."""
+        :func:`limits_hit`): kernel OOM kills, refused forks and, with ``disk``, the bytes
+        charged to the disk quota and its cap (~0.15 ms more; read it when an action's output
+        says a write failed, see :func:`disk_full_in`)."""
         self._check_open()
         state = dict(self._cgroup.limit_events())
-        usage = pool.disk_usage(Path(self._rec.subvolume))
-        state["disk_used"], state["disk_limit"] = usage or (0, 0)
+        if disk:
+            usage = pool.disk_usage(Path(self._rec.subvolume))
+            state["disk_used"], state["disk_limit"] = usage or (0, 0)
         return state
 
     def _check_open(self) -> None:
@@ -387,12 +390,17 @@ def limits_hit(before: dict[str, int], after: dict[str, int], limits: Limits, ou
     if after["pids_max"] > before["pids_max"]:
         notes.append(f"the workspace hit its process limit ({limits.pids} processes and threads): "
                      "a fork was refused")
-    used, cap = after["disk_used"], after["disk_limit"]
+    used, cap = after.get("disk_used", 0), after.get("disk_limit", 0)
     # the kernel refuses a write that would pass the cap, so usage stops a little below it
     if cap and (used >= cap - (4 << 20) or (any(t in output for t in _DISK_FULL_TEXT) and used >= cap * 0.9)):
         notes.append(f"the workspace's disk quota is full ({_size(used)} of {_size(cap)} written): "
                      "writes fail with 'Disk quota exceeded'; delete files to free space")
     return notes
+
+
+def disk_full_in(output: bytes) -> bool:
+    """Whether an action's output says a write failed for lack of space (EDQUOT, ENOSPC)."""
+    return any(t in output for t in _DISK_FULL_TEXT)
 
 
 def _size(n: int) -> str:

@@ -36,7 +36,7 @@ from gymnasium import spaces
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text, printable
 from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
 from bunshin_gym.workspace import pristine
-from bunshin_gym.workspace.workspace import limits_hit
+from bunshin_gym.workspace.workspace import disk_full_in, limits_hit
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,10 @@ class ShellEnv(WorkspaceEnv):
             raise ActionError(self._output)
         ws = self.workspace
         watch = hasattr(ws, "limit_state")  # a test double may not model limits
-        before = ws.limit_state() if watch else None
+        before = ws.limit_state(disk=False) if watch else None
         res = ws.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
-        notes = limits_hit(before, ws.limit_state(), ws.limits, res.stdout + res.stderr) if watch else []
+        out = res.stdout + res.stderr
+        notes = limits_hit(before, ws.limit_state(disk=disk_full_in(out)), ws.limits, out) if watch else []
         # the notes go last, so that the tail-keeping cut never drops them
         tail = "".join(f"\n[bunshin: {n}]" for n in notes)
         self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT - len(tail)) + tail

@@ -60,8 +60,8 @@ def test_fork_bomb_stops_at_the_pids_limit(env):
 def test_filling_the_disk_stops_at_the_quota_and_siblings_keep_writing(env):
     sibling = env.clone(1)[0]
     try:
-        obs, _, _, _, info = env.step("dd if=/dev/zero of=/home/user/fill bs=1M count=200 2>&1 | tail -n 2")
-        assert "Disk quota exceeded" in obs["output"]
+        obs, _, _, _, info = env.step("dd if=/dev/zero of=/home/user/fill bs=1M count=200 2>&1 | head -n 1")
+        assert "dd: error writing '/home/user/fill': Disk quota exceeded" in obs["output"]
         assert "disk quota is full" in obs["output"], obs["output"]
         used = int(env.workspace.exec("stat -c %s /home/user/fill").text)
         assert used <= parse_size("64M")
