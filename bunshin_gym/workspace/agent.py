@@ -184,8 +184,16 @@ def op_exec(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
 def op_spawn(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
     """Start a long-running process (a service, an app) without waiting for it."""
     log = req.get("log") or "/dev/null"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(stdin=subprocess.DEVNULL, stdout=out, stderr=out, **_popen_args(req))
+    # O_NONBLOCK: opening a FIFO planted at the log's name must not block this thread
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o644)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):  # /dev/null is the default log
+            raise OSError(errno.EINVAL, f"refused: the log {log} is not a regular file", log)
+        os.set_blocking(fd, True)  # the flag is the open file's: the program must get blocking writes
+        proc = subprocess.Popen(stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, **_popen_args(req))
+    finally:
+        os.close(fd)
     _children.add(proc)
     return {"pid": proc.pid}, []
 
@@ -234,13 +242,17 @@ def op_write_file(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, req.get("mode", 0o644))
     _refuse_special(fd, path)
-    os.set_blocking(fd, True)
-    os.ftruncate(fd, 0)
-    with os.fdopen(fd, "wb") as f:
-        f.write(blobs[0])
-    if req.get("owner"):
-        pw = pwd.getpwnam(req["owner"])
-        os.chown(path, pw.pw_uid, pw.pw_gid)
+    try:
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+        if req.get("owner"):  # the file written, not whatever the name points to by then
+            pw = pwd.getpwnam(req["owner"])
+            os.fchown(fd, pw.pw_uid, pw.pw_gid)
+        view = memoryview(blobs[0])
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
     return {}, []
 
 

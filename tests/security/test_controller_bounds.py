@@ -103,6 +103,16 @@ def test_read_file_refuses_what_has_no_end(fresh_ws, kind):
     assert err.errno == (errno.EFBIG if kind == "sparse-50G" else errno.EINVAL)
 
 
+def test_a_fifo_planted_as_a_spawn_log_is_refused_not_waited_on(fresh_ws):
+    """Services log to fixed paths the policy can replace; the agent opening one must not block."""
+    ws = fresh_ws
+    ws.exec("mkfifo /tmp/service.log", check=True)
+    release = lambda: Workspace.attach(ws.id).exec("exec 3</tmp/service.log", timeout=10)  # noqa: E731
+    with pytest.raises(AgentError):
+        bounded(lambda: ws.spawn("true", log="/tmp/service.log"), 20, release)
+    assert ws.exec("true").ok
+
+
 def test_osworld_getter_on_a_fifo_scores_nothing_and_does_not_hang(fresh_ws):
     ws = fresh_ws
     ws.exec("mkdir -p /home/user && mkfifo /home/user/answer.txt && truncate -s 50G /home/user/big.txt", check=True)
