@@ -29,7 +29,10 @@ bind-mounted pristine ``/usr``, leaves it in a pid and user namespace where the 
 can ptrace it; computing every check on the host in Python would change the task formats
 (shell checkers are shell lines, OSWorld's getters run commands). The overlay costs a
 mount of existing layers (no copy) and the workspace is frozen while the checker reads it,
-so a background process of the policy cannot change the files mid-check.
+so a background process of the policy cannot change the files mid-check. (The kernel logs
+"lowerdir is in-use as upperdir ... undefined behavior" for each check: that is about both
+mounts changing the layer at once, which the freeze rules out; a read-only btrfs snapshot of
+the upper layer instead would silence it at ~10 ms and a subvolume per check.)
 
 What stays the policy's: the data. A checker reading ``/etc/passwd`` or a dotfile in
 ``$HOME`` reads the workspace's; checks should compare the workspace's files against
