@@ -107,3 +107,20 @@ def test_checker_reads_shifted_owners_through_the_workspaces_id_map(env):
     mapped = pristine.run(env.workspace, "stat -c '%u %U' /srv/t/f; id -u; cat /srv/t/f",
                           idmap="0 1000000 65536")
     assert mapped.text.split() == ["1000", "user", "65534", "x"], mapped.stderr
+
+
+def test_osworld_getter_ignores_a_replaced_cat():
+    """The desktop env: the policy (here through the user's shell, as typing into the
+    terminal would) replaces /usr/bin/cat, which the task's vm_command_line getter runs, with
+    a script printing the expected text; the file stays empty and the reward stays 0."""
+    env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
+    try:
+        env.reset(options={"task": "osworld/editor-write-greeting"})
+        ws = env.unwrapped.workspace
+        ws.exec(f"printf '#!/bin/sh\\necho \"Hello, world!\"\\n' > /tmp/fake && chmod 755 /tmp/fake && "
+                f"{SUDO}cp /tmp/fake /usr/bin/cat 2>/dev/null", user="user", check=True)
+        assert ws.exec("cat /home/user/greeting.txt", user="user").text.strip() == "Hello, world!"
+        _, reward, terminated, _, _ = env.step("DONE")
+        assert terminated and reward == 0.0
+    finally:
+        env.close()
