@@ -56,9 +56,12 @@ class Cgroup:
         if unified():
             parent = CGROOT / PARENT
             parent.mkdir(exist_ok=True)
-            # delegate the memory and pids controllers to the workspaces below us
+            # delegate the memory and pids controllers to the workspaces below us (pids where
+            # the kernel has it: without it a workspace runs without a pids limit)
+            have = set((CGROOT / "cgroup.controllers").read_text().split())
+            enable = " ".join(f"+{c}" for c in ("memory", "pids") if c in have)
             for d in (CGROOT, parent):
-                (d / "cgroup.subtree_control").write_text("+memory +pids")
+                (d / "cgroup.subtree_control").write_text(enable)
         for d in cg.dirs:
             d.mkdir(parents=True, exist_ok=False)
         try:
@@ -86,7 +89,7 @@ class Cgroup:
 
     def _pids_dir(self) -> Path | None:
         if unified():
-            return self.dirs[0]
+            return self.dirs[0] if (self.dirs[0] / "pids.max").exists() else None
         return self.dirs[2] if len(self.dirs) > 2 else None
 
     def limits(self) -> dict[str, int]:
