@@ -60,7 +60,7 @@ class Cgroup:
             # the kernel has it: without it a workspace runs without a pids limit)
             have = set((CGROOT / "cgroup.controllers").read_text().split())
             enable = " ".join(f"+{c}" for c in ("memory", "pids") if c in have)
-            for d in (CGROOT, parent):
+            for d in (CGROOT, parent) if enable else ():
                 (d / "cgroup.subtree_control").write_text(enable)
         for d in cg.dirs:
             d.mkdir(parents=True, exist_ok=False)
