@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import delta, flatten, kmod, memory, pool, records, uffd
+from bunshin_gym.workspace import delta, flatten, kmod, memory, pool, records, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -153,6 +153,7 @@ class Snapshot:
                                 f"snapshots {users['children']}; close or delete those first")
         kmod.close_holders(self.id, self._p)
         _remove_dir(self.path)
+        snapview.remove(self.id, self._p)
         for needed in {self.parent, *self.meta.get("refs", [])} - {None}:
             release_snapshot(needed, self._p)  # an ephemeral ancestor this one kept alive goes now
 
@@ -311,7 +312,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
-        "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
+        "--external", f"mnt[snap]:{snapview.view_for(snap)}", "--manage-cgroups=ignore",
         "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

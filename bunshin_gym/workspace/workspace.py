@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import kmod, pool, records, snapshot, uffd
+from bunshin_gym.workspace import kmod, pool, records, snapshot, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
@@ -99,7 +99,8 @@ class Workspace:
             cg = Cgroup.create(ws_id)
             proc = subprocess.run(
                 [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
-                 str(sub / "upper"), str(sub / "work"), str(p.snapshots), hostname or ws_id, *cg.procs_files],
+                 str(sub / "upper"), str(sub / "work"), str(snapview.empty_view(p)), hostname or ws_id,
+                 *cg.procs_files],
                 capture_output=True, text=True, timeout=60,
             )
             if proc.returncode != 0:
