@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import delta, flatten, kmod, memory, pool, records, snapview, uffd
+from bunshin_gym.workspace import delta, flatten, idmap, kmod, memory, pool, records, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -51,6 +51,16 @@ DUMP_FLAGS = [
     "--ghost-limit", "256M", "--irmap-scan-path", "/usr/share/zoneinfo",
     "--external", "mnt[/.snap]:snap", "--manage-cgroups=ignore",
 ]
+
+#: device nodes of a user-namespaced workspace: bind mounts of the host's own nodes (mknod of a
+#: device is refused in a user namespace), external to CRIU (bunshin-init.c's ``devs``)
+HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _device_mounts(dump: bool) -> list[str]:
+    if dump:
+        return [a for d in HOST_DEVICES for a in ("--external", f"mnt[/dev/{d}]:dev-{d}")]
+    return [a for d in HOST_DEVICES for a in ("--external", f"mnt[dev-{d}]:/dev/{d}")]
 
 
 class Snapshot:
@@ -97,7 +107,7 @@ class Snapshot:
             recs.append(records.Record(
                 id=ws_id, image=self.image, image_path=self.meta["image_path"], layer=self.meta["layer"],
                 subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
-                snapshot=self.id, owner=None if detached else me,
+                snapshot=self.id, userns_base=self.meta.get("userns_base"), owner=None if detached else me,
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
                 extra={kmod.HOLDER_KEY: self.id} if _holder else {},
             ))
@@ -231,6 +241,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             freezer = cg.dirs[0] if unified() else cg.dirs[1]
             proc = subprocess.run(
                 [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
+                 *(_device_mounts(dump=True) if rec.userns_base is not None else []),
                  "--network-lock", network_lock(rec.pid1),
                  "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
                 capture_output=True, text=True, env=dump_env,
@@ -251,7 +262,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
     meta = {
         "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
         "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
-        "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+        "memory_mode": rec.memory_mode, "userns_base": rec.userns_base, "depth": parent.depth + 1 if parent else 0,
         "ref_depth": _ref_depth(rec, parent),
         "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
     }
@@ -304,8 +315,9 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         memory.ksm_acquire(rec.id)
     kmod_env, kmod_args = kmod.restore_setup(rec, holder, p)  # anonymous memory from the snapshot's holder
     env.update(kmod_env)
+    lower = idmap.lower_image(rec.image_path, rec.userns_base)
     cmd = [
-        f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
+        f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{lower}",
         str(sub / "upper"), str(sub / "work"), "1" if ksm else "0",
         *Cgroup(rec.cgroup).procs_files, "--",
         # -W: CRIU writes its stats-restore file into the work dir, not into the immutable snapshot
@@ -313,6 +325,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
         "--external", f"mnt[snap]:{snapview.view_for(snap)}", "--manage-cgroups=ignore",
+        *(_device_mounts(dump=False) if rec.userns_base is not None else []),
         "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -352,6 +365,7 @@ def restore_in_place(ws: Workspace, snap: Snapshot) -> None:
     stop_processes(rec)
     pool.delete_subvolume(Path(rec.subvolume))
     rec.snapshot, rec.pid1, rec.pid1_start, rec.layer = snap.id, None, None, snap.meta["layer"]
+    rec.userns_base = snap.meta.get("userns_base")
     records.save(rec, p)
     _finish_restore(rec, _start_restore(snap, rec, mode, p, holder), p)
 

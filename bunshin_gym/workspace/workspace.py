@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import kmod, pool, records, snapshot, snapview, uffd
+from bunshin_gym.workspace import idmap, kmod, pool, records, snapshot, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
@@ -90,17 +90,21 @@ class Workspace:
             owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
             created=time.time(), layer=str(layer), memory_mode=mode.value,
         )
+        ids = idmap.current()
+        rec.userns_base = ids.base if ids else None
         records.save(rec, p)
         ws = cls(rec, p)
         try:
             pool.create_subvolume(sub)
             for d in ("upper", "work", "root"):
                 (sub / d).mkdir()
+            idmap.own_dirs(ids, sub / "upper", sub / "work")
+            lower = idmap.lower_image(image_path, rec.userns_base)
             cg = Cgroup.create(ws_id)
             proc = subprocess.run(
-                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
+                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
                  str(sub / "upper"), str(sub / "work"), str(snapview.empty_view(p)), hostname or ws_id,
-                 *cg.procs_files],
+                 idmap.launch_arg(ids), *cg.procs_files],
                 capture_output=True, text=True, timeout=60,
             )
             if proc.returncode != 0:

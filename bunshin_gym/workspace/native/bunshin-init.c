@@ -48,6 +48,7 @@
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <grp.h>
 #include <unistd.h>
 
 #define AGENT_PYTHON "/usr/bin/python3"
@@ -116,7 +117,7 @@ static void symlinkx(const char *target, const char *path)
 /*
  * What runc masks and makes read-only by default: files that expose or change the host
  * kernel (kcore, sysrq-trigger, keys, timer_list, sysctls, firmware). Masked files are
- * overmounted by /dev/null, masked directories by an empty read-only tmpfs; read-only ones
+ * overmounted by an empty file, masked directories by an empty read-only tmpfs; read-only ones
  * by a read-only bind of themselves. Workspace root holds no CAP_SYS_ADMIN, so none of these
  * mounts can be undone from inside.
  */
@@ -132,18 +133,28 @@ static const char *const readonly_paths[] = {
 
 static void mask_kernel_files(const char *root)
 {
-	char p[4096], null[4096];
+	char p[4096], empty[4096];
 	struct stat st;
+	int fd;
 
-	snprintf(null, sizeof(null), "%s/dev/null", root);
+	/* masked files are overmounted by an empty read-only file of the workspace's own /dev
+	 * tmpfs: a mount CRIU dumps and restores like any other (a bind of the host's /dev/null
+	 * would be one more external mount per file) */
+	snprintf(empty, sizeof(empty), "%s/dev/.masked", root);
+	fd = open(empty, O_CREAT | O_WRONLY | O_CLOEXEC, 0444);
+	if (fd < 0)
+		fail("creating %s", empty);
+	close(fd);
 	for (size_t i = 0; i < sizeof(masked_paths) / sizeof(masked_paths[0]); i++) {
 		snprintf(p, sizeof(p), "%s%s", root, masked_paths[i]);
 		if (lstat(p, &st))
 			continue; /* not on this kernel */
-		if (S_ISDIR(st.st_mode))
+		if (S_ISDIR(st.st_mode)) {
 			mountx("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0,mode=555");
-		else
-			mountx(null, p, NULL, MS_BIND, NULL);
+			continue;
+		}
+		mountx(empty, p, NULL, MS_BIND, NULL);
+		mountx(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	}
 	for (size_t i = 0; i < sizeof(readonly_paths) / sizeof(readonly_paths[0]); i++) {
 		snprintf(p, sizeof(p), "%s%s", root, readonly_paths[i]);
@@ -154,15 +165,13 @@ static void mask_kernel_files(const char *root)
 	}
 }
 
-/* Everything below runs inside the new namespaces, as PID 1, before the pivot. */
-static void setup_root(const char *root, const char *lower, const char *upper, const char *work,
-		       const char *snap, const char *hostname)
+/* Host-privileged part, in the launcher's private mount namespace (init user namespace):
+ * the overlay root and the read-only /.snap view. Mounts made here are locked once the
+ * workspace's user namespace copies them: root inside can neither unmount nor remount them. */
+static void setup_host_mounts(const char *root, const char *lower, const char *upper, const char *work,
+			      const char *snap)
 {
 	char opts[4096], p[4096];
-	static const struct { const char *name; int major, minor; } devs[] = {
-		{ "null", 1, 3 }, { "zero", 1, 5 }, { "full", 1, 7 },
-		{ "random", 1, 8 }, { "urandom", 1, 9 }, { "tty", 5, 0 },
-	};
 
 	mountx("none", "/", NULL, MS_REC | MS_PRIVATE, NULL);
 	if (snprintf(opts, sizeof(opts), "lowerdir=%s,upperdir=%s,workdir=%s", lower, upper, work) >=
@@ -170,7 +179,32 @@ static void setup_root(const char *root, const char *lower, const char *upper, c
 		fail("overlay options too long");
 	/* nodev: device nodes work only on the workspace's own minimal /dev */
 	mountx("overlay", root, "overlay", MS_NODEV, opts);
+	/* the page images this workspace's restores map (empty for a fresh workspace; a clone
+	 * gets its own snapshot chain's view, see snapview.py), never the store itself.
+	 * Not noexec: clones map executable pages of their images from here. */
+	snprintf(p, sizeof(p), "%s/.snap", root);
+	mkdirx(p, 0755);
+	mountx(snap, p, NULL, MS_BIND, NULL);
+	mountx(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
+}
 
+/* Device nodes: made with mknod by host root, or, inside a user namespace (where mknod of a
+ * device is refused), bind mounts of the host's own nodes (snapshot.py names these mounts
+ * external for CRIU). */
+static const struct { const char *name; int major, minor; } devs[] = {
+	{ "null", 1, 3 }, { "zero", 1, 5 }, { "full", 1, 7 },
+	{ "random", 1, 8 }, { "urandom", 1, 9 }, { "tty", 5, 0 },
+};
+
+/* Everything below runs inside the new namespaces, as PID 1, before the pivot. */
+static void setup_root(const char *root, const char *hostname, int in_userns)
+{
+	char p[4096];
+
+	/* the overlay as a mount of this namespace: pivot_root refuses a locked put_old, and the
+	 * root the user namespace copied from the launcher's is locked (/.snap below it stays so) */
+	if (in_userns)
+		mountx(root, root, NULL, MS_BIND | MS_REC, NULL);
 #define AT(sub) (snprintf(p, sizeof(p), "%s%s", root, sub), p)
 	mkdirx(AT("/proc"), 0555);
 	mountx("proc", AT("/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
@@ -179,10 +213,20 @@ static void setup_root(const char *root, const char *lower, const char *upper, c
 	mkdirx(AT("/dev"), 0755);
 	mountx("tmpfs", AT("/dev"), "tmpfs", MS_NOSUID, "mode=755,size=65536k");
 	for (size_t i = 0; i < sizeof(devs) / sizeof(devs[0]); i++) {
-		char dev[64];
+		char dev[64], host[64];
 
 		snprintf(dev, sizeof(dev), "/dev/%s", devs[i].name);
-		mknodx(AT(dev), devs[i].major, devs[i].minor);
+		if (!in_userns) {
+			mknodx(AT(dev), devs[i].major, devs[i].minor);
+			continue;
+		}
+		int fd = open(AT(dev), O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+
+		if (fd < 0)
+			fail("creating %s", p);
+		close(fd);
+		snprintf(host, sizeof(host), "/dev/%s", devs[i].name);
+		mountx(host, AT(dev), NULL, MS_BIND, NULL);
 	}
 	symlinkx("/proc/self/fd", AT("/dev/fd"));
 	symlinkx("/proc/self/fd/0", AT("/dev/stdin"));
@@ -200,12 +244,6 @@ static void setup_root(const char *root, const char *lower, const char *upper, c
 	mkdirx(AT("/run"), 0755);
 	mountx("tmpfs", AT("/run"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=" RUN_SIZE);
 	mkdirx(AT("/run/bunshin"), 0700);
-	/* the page images this workspace's restores map (empty for a fresh workspace; a clone
-	 * gets its own snapshot chain's view, see snapview.py), never the store itself */
-	mkdirx(AT("/.snap"), 0755);
-	mountx(snap, AT("/.snap"), NULL, MS_BIND, NULL);
-	/* not noexec: clones map executable pages of their images from here */
-	mountx(NULL, AT("/.snap"), NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL);
 	mask_kernel_files(root);
 #undef AT
 
@@ -282,53 +320,131 @@ static void own_stdio(void)
 		fail("close_range");
 }
 
+static void write_file(const char *path, const char *text)
+{
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+	ssize_t n = (ssize_t)strlen(text);
+
+	if (fd < 0 || write(fd, text, n) != n)
+		fail("writing %s", path);
+	close(fd);
+}
+
+static void wait_byte(int fd, const char *what)
+{
+	char c;
+
+	if (read(fd, &c, 1) != 1)
+		fail("waiting for %s", what);
+}
+
+/* The workspace's PID 1 before its exec: mounts inside the namespaces, then init. */
+static void become_pid1(char **argv, int in_userns)
+{
+	char *const init_argv[] = { "init", "pid1", NULL };
+	char *const envp[] = { "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL };
+
+	prctl(PR_SET_PDEATHSIG, 0);
+	setup_root(argv[2], argv[7], in_userns);
+	own_stdio();
+	if (setsid() < 0)
+		fail("setsid");
+	execve("/.bunshin/init", init_argv, envp);
+	fail("exec /.bunshin/init");
+}
+
+/*
+ * IDMAP "-": namespaces in the host's user namespace (root inside is host root, contained by
+ * capabilities, seccomp and mounts only). IDMAP "BASE:COUNT": a user namespace whose root is
+ * host uid/gid BASE (the image's files are shifted by BASE, see images.py), created by a
+ * helper child; the launcher writes its maps, then the helper makes the other namespaces
+ * (owned by the user namespace) and forks PID 1.
+ */
 static int launch(int argc, char **argv)
 {
-	int pipefd[2];
-	pid_t pid;
+	int errp[2], up[2], down[2], pidp[2];
+	unsigned long base = 0, count = 0;
+	int userns;
+	pid_t helper, pid1 = -1;
+	const int flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP;
 
-	if (argc < 8) {
-		fprintf(stderr, "usage: bunshin-init launch ROOT LOWERDIRS UPPER WORK SNAPDIR HOSTNAME "
+	if (argc < 9) {
+		fprintf(stderr, "usage: bunshin-init launch ROOT LOWERDIRS UPPER WORK SNAPDIR HOSTNAME IDMAP "
 				"[CGROUP_PROCS_FILE...]\n");
 		return 2;
 	}
-	for (int i = 8; i < argc; i++)
-		join_cgroup(argv[i]);
-	if (unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP))
-		fail("unshare");
-	if (pipe2(pipefd, O_CLOEXEC))
-		fail("pipe2");
-	pid = fork();
-	if (pid < 0)
-		fail("fork");
-	if (pid == 0) {
-		char *const init_argv[] = { "init", "pid1", NULL };
-		char *const envp[] = { "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-				       NULL };
-
-		close(pipefd[0]);
-		err_fd = pipefd[1];
-		prctl(PR_SET_PDEATHSIG, 0);
-		setup_root(argv[2], argv[3], argv[4], argv[5], argv[6], argv[7]);
-		own_stdio();
-		if (setsid() < 0)
-			fail("setsid");
-		execve("/.bunshin/init", init_argv, envp);
-		fail("exec /.bunshin/init");
+	userns = strcmp(argv[8], "-") != 0;
+	if (userns && (sscanf(argv[8], "%lu:%lu", &base, &count) != 2 || !count)) {
+		fprintf(stderr, "bunshin-init: IDMAP must be - or BASE:COUNT, not %s\n", argv[8]);
+		return 2;
 	}
-	close(pipefd[1]);
+	for (int i = 9; i < argc; i++)
+		join_cgroup(argv[i]);
+	if (pipe2(errp, O_CLOEXEC) || pipe2(up, O_CLOEXEC) || pipe2(down, O_CLOEXEC) || pipe2(pidp, O_CLOEXEC))
+		fail("pipe2");
+	if (unshare(CLONE_NEWNS))
+		fail("unshare");
+	setup_host_mounts(argv[2], argv[3], argv[4], argv[5], argv[6]);
+	helper = fork();
+	if (helper < 0)
+		fail("fork");
+	if (helper == 0) {
+		pid_t pid;
+
+		err_fd = errp[1];
+		if (userns) {
+			if (unshare(CLONE_NEWUSER))
+				fail("unshare(CLONE_NEWUSER)");
+			if (write(up[1], "u", 1) != 1)
+				fail("signalling the launcher");
+			wait_byte(down[0], "the id maps");
+			if (setresgid(0, 0, 0) || setgroups(0, NULL) || setresuid(0, 0, 0))
+				fail("becoming root of the user namespace");
+		}
+		if (unshare(flags))
+			fail("unshare");
+		pid = fork();
+		if (pid < 0)
+			fail("fork");
+		if (pid == 0)
+			become_pid1(argv, userns);
+		if (write(pidp[1], &pid, sizeof(pid)) != sizeof(pid))
+			fail("reporting PID 1");
+		_exit(0);
+	}
+	close(errp[1]);
+	close(up[1]);
+	close(down[0]);
+	close(pidp[1]);
+	if (userns) {
+		char path[64], map[64];
+		char c;
+
+		if (read(up[0], &c, 1) != 1)
+			goto failed;
+		snprintf(map, sizeof(map), "0 %lu %lu\n", base, count);
+		snprintf(path, sizeof(path), "/proc/%d/uid_map", helper);
+		write_file(path, map);
+		snprintf(path, sizeof(path), "/proc/%d/gid_map", helper);
+		write_file(path, map);
+		if (write(down[1], "m", 1) != 1)
+			fail("signalling the helper");
+	}
+	if (read(pidp[0], &pid1, sizeof(pid1)) != sizeof(pid1))
+		pid1 = -1;
+failed:
+	waitpid(helper, NULL, 0);
 	{
 		char msg[512];
-		ssize_t n = read(pipefd[0], msg, sizeof(msg) - 1);
+		ssize_t n = read(errp[0], msg, sizeof(msg) - 1);
 
-		if (n > 0) {
-			msg[n] = 0;
-			waitpid(pid, NULL, 0);
-			fprintf(stderr, "bunshin-init: workspace setup failed: %s\n", msg);
+		if (n > 0 || pid1 < 0) {
+			msg[n > 0 ? n : 0] = 0;
+			fprintf(stderr, "bunshin-init: workspace setup failed: %s\n", n > 0 ? msg : "no PID 1");
 			return 1;
 		}
 	}
-	printf("%d\n", pid);
+	printf("%d\n", pid1);
 	return 0;
 }
 
