@@ -453,6 +453,15 @@ failed:
  * - any architecture but x86_64, and the x32 ABI, is refused (ENOSYS): an i386 `int 0x80`
  *   would otherwise reach syscalls under other numbers than the ones filtered here;
  * - io_uring_setup fails with ENOSYS: CRIU cannot dump io_uring; libuv/node fall back to epoll;
+ * - pkey_alloc fails with ENOSYS, as on a CPU without protection keys: CRIU restores neither
+ *   allocated keys nor the keys of mappings, so a program that set up keys before a dump
+ *   (V8 in chromium's zygote does) crashes in a clone when it next uses them (every renderer
+ *   forked after a restore crashed: "Target crashed"). V8 falls back to mprotect;
+ * - inotify_init/inotify_init1 fail with ENOSYS: CRIU records a watch by the watched inode's
+ *   file handle, and handles of the overlay root cannot be opened back, so one watch makes a
+ *   workspace unsnapshottable. GLib then polls; chromium and dbus-daemon go without. (The
+ *   desktop's session wrapper installed this rule itself; without CAP_SYS_ADMIN it no longer
+ *   can without no_new_privs, which would break sudo, so every workspace has it.)
  * - madvise(MADV_FREE) fails with EINVAL, as the kernel answers for file mappings: a clone's
  *   anonymous memory may be served from a page image, where a lazy free would let the
  *   image's stale page reappear. Allocators (jemalloc, glibc) fall back to MADV_DONTNEED;
@@ -485,6 +494,12 @@ static void install_seccomp(void)
 		BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000 /* __X32_SYSCALL_BIT */, 0, 1),
 		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
 		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_pkey_alloc, 0, 1),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_inotify_init, 0, 1),
+		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_inotify_init1, 0, 1),
 		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
 		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_clone3, 0, 1),
 		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),

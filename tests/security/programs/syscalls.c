@@ -38,6 +38,8 @@ int main(void)
 	report("unshare_mnt", syscall(SYS_unshare, CLONE_NEWNS));
 	report("mount", syscall(SYS_mount, "none", "/tmp", "tmpfs", 0, NULL));
 	report("fsopen", syscall(SYS_fsopen, "tmpfs", 0));
+	report("pkey_alloc", syscall(SYS_pkey_alloc, 0, 0));
+	report("inotify_init1", syscall(SYS_inotify_init1, 0));
 	report("getpid", syscall(SYS_getpid));
 	return 0;
 }
