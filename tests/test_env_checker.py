@@ -1,5 +1,6 @@
-"""gymnasium's own env checker on each env family, over the FakeWorkspace test double
-(the checker samples random actions; the real workspaces are tested in the env tests)."""
+"""gymnasium's own env checker on each env family: over the FakeWorkspace test double and
+on the real envs (real workspaces; the checker samples random actions and steps twice from
+the same seed, so a step's info must not carry wall-clock times)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,42 @@ def test_fake_clone_and_rollback_follow_the_env_contract():
     assert env.steps == 0 and env.observe()["output"] == ""
     with pytest.raises(Exception, match="reset"):
         gym.make("Bunshin-Shell-v0", workspace_factory=fake_factory).step("ls")
+
+
+# the real envs, on real workspaces --------------------------------------------------------
+def _check_real(env_id: str, **kwargs) -> None:
+    env = gym.make(env_id, **kwargs)
+    try:
+        check_env(env, skip_render_check=True)
+        # what left the step info is still there, out of the determinism contract
+        env.reset(seed=3)
+        env.step(env.action_space.sample())
+        timing = env.unwrapped.last_step_timing
+        assert timing["step_s"] > 0 and all(v >= 0 for v in timing.values())
+    finally:
+        env.close()
+
+
+def test_real_shell_env_passes_gymnasium_checker():
+    _check_real("Bunshin-Shell-v0", task="shell/count-files")
+
+
+def test_real_shell_env_reports_command_time_outside_the_step_info():
+    env = gym.make("Bunshin-Shell-v0", task="shell/count-files")
+    try:
+        env.reset()
+        _, _, _, _, info = env.step("sleep 0.3")
+        assert "duration" not in info
+        assert 0.3 <= env.unwrapped.last_step_timing["command_s"] <= env.unwrapped.last_step_timing["step_s"]
+    finally:
+        env.close()
+
+
+def test_real_osworld_env_passes_gymnasium_checker():
+    """computer_13 actions, the accessibility tree on (the env's defaults); ~35 s."""
+    _check_real("Bunshin-OSWorld-v0", task="osworld/terminal-mkdir-projects")
+
+
+@pytest.mark.slow
+def test_real_webarena_env_passes_gymnasium_checker():
+    _check_real("Bunshin-WebArena-v0", task="webarena/1001")

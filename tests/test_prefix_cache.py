@@ -11,7 +11,7 @@ import gymnasium as gym
 import pytest
 
 import bunshin_gym  # noqa: F401
-from bunshin_gym.rollout import PrefixCache
+from bunshin_gym.rollout import PrefixCache, TrajectoryLog
 
 APPEND = "echo x >> /home/user/calls.txt; wc -l < /home/user/calls.txt"
 
@@ -114,3 +114,70 @@ def test_the_tree_persists_across_processes(cache, tmp_path):
     finally:
         env.close()
         again.clear()
+
+
+SLOW_APPEND = "sleep 0.5; " + APPEND
+
+
+@pytest.mark.parametrize("restore_s, replays, restores", [(0.001, 0, 2), (30.0, 2, 0)])
+def test_replay_or_restore_follows_the_recorded_costs(tmp_path, restore_s, replays, restores):
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, overlap=False)
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        env.step(SLOW_APPEND)
+        env.step(SLOW_APPEND)
+        assert cache.stats.snapshots == 2  # both positions could be restored
+        # the recorded cost of a restore, hot or cold, against 0.5 s per replayed call
+        cache.stats.restores_hot = cache.stats.restores_cold = 1
+        cache.stats.restore_hot_s = cache.stats.restore_cold_s = restore_s
+        before = cache.stats.replays, cache.stats.restores
+        env.reset(options={"task": "shell/make-dir"})
+        for _ in range(2):  # hits: the live workspace follows each by the cheaper way
+            assert env.step(SLOW_APPEND)[4]["cache"] == "hit"
+        obs, _, _, _, info = env.step("cat /home/user/calls.txt")
+        assert info["cache"] == "miss" and obs["output"] == "x\nx\n"  # either way, the same state
+        assert (cache.stats.replays - before[0], cache.stats.restores - before[1]) == (replays, restores)
+    finally:
+        env.close()
+        cache.clear()
+
+
+def test_hot_and_cold_restores_are_timed_apart(cache):
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        env.step(APPEND)
+        env.sync()  # the snapshot after the call is taken
+        node = env.node
+        snap = env._env_snapshot(node)
+        assert cache.residency.is_resident(node)
+        env._restore(snap, node)
+        cache.residency.drop([node])  # its images written back and dropped from the page cache
+        assert not cache.residency.is_resident(node)
+        env._restore(snap, node)
+        s = cache.stats
+        assert (s.restores_hot, s.restores_cold) == (1, 1)
+        assert s.restore_cost(True) == s.restore_hot_s > 0 and s.restore_cost(False) == s.restore_cold_s > 0
+        assert env.step("cat /home/user/calls.txt")[0]["output"] == "x\n"
+    finally:
+        env.close()
+
+
+def test_the_log_keeps_the_observation_each_call_was_made_from(tmp_path):
+    log = TrajectoryLog(tmp_path / "log.jsonl")
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, log=log)
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        for _ in range(2):  # executed, then served: both logged alike
+            env.reset(options={"task": "shell/make-dir"})
+            env.step("echo first-output")
+            env.step("ls /nonexistent-dir")
+    finally:
+        env.close()
+        cache.clear()
+    entries = TrajectoryLog.load(log.path)
+    assert [e["served"] for e in entries] == ["executed", "executed", "cache", "cache"]
+    assert [e["depth"] for e in entries] == [0, 1, 0, 1]
+    assert entries[0]["observation"] == "" and entries[1]["observation"] == "first-output\n"
+    assert entries[3]["observation"] == "first-output\n"

@@ -83,3 +83,106 @@ def test_fast_calls_are_not_worth_a_fork(duration):
         assert spec.stats.launched == 0 and spec.stats.skipped_fast >= 1
     finally:
         env.close()
+
+
+TRACE = "/home/user/trace.txt"
+CHAIN = [f"sleep 0.3; echo {c} >> {TRACE}; cat {TRACE}" for c in "ABC"]
+OTHER = f"echo X >> {TRACE}; cat {TRACE}"
+
+
+@pytest.mark.parametrize("k, mismatch_at", [(2, 0), (2, 1), (2, None), (3, 0), (3, 1), (3, 2), (3, None)])
+def test_a_chain_of_k_calls_serves_the_matches_and_nothing_after_a_mismatch(k, mismatch_at):
+    entries = log_entries({"shell/make-dir": [*CHAIN, "DONE"]})
+    spec = Speculation(SpecToolSelector.train(entries), depth=k, durations=TrajectoryLog.durations(entries),
+                       min_duration=0.0)
+    env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+    actual = [OTHER if i == mismatch_at else a for i, a in enumerate(CHAIN[:k])]
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        lines = []
+        for i, action in enumerate(actual):
+            assert env.wait_speculation(timeout=60)  # the chain ran this far in its fork
+            obs, _, _, _, info = env.step(action)
+            lines.append("X" if action == OTHER else "ABC"[i])
+            # every observation, served or not, is that of the actual calls so far
+            assert obs["output"] == "".join(f"{line}\n" for line in lines)
+            if mismatch_at is None or i < mismatch_at:
+                assert info.get("speculation") == "hit"
+                if i < k - 1:  # one chain for all k calls: none started while it runs ahead
+                    assert spec.stats.launched == 1
+            elif i == mismatch_at:
+                assert "speculation" not in info
+                assert spec.stats.mismatched == 1
+        served = k if mismatch_at is None else mismatch_at
+        assert spec.stats.matched >= served
+        # the workspace holds the actual calls' effects only: none of the chain's beyond a mismatch
+        assert env.unwrapped.workspace.exec(f"cat {TRACE}").text == "".join(f"{line}\n" for line in lines)
+        assert env.unwrapped.steps == k
+    finally:
+        env.close()
+
+
+def test_a_mismatch_kills_the_speculative_command_at_once():
+    slow = "sleep 30; echo late > /home/user/late.txt"
+    entries = log_entries({"shell/make-dir": [slow, "DONE"]}, duration=30.0)
+    spec = Speculation(SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
+                       min_duration=0.5)
+    env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        chain = env._chain
+        assert chain is not None and chain.calls[0].started.wait(60)
+        time.sleep(0.5)  # the speculated `sleep 30` runs in the fork now
+        t0 = time.perf_counter()
+        obs, _, _, _, info = env.step("echo other")
+        assert obs["output"] == "other\n" and "speculation" not in info
+        assert chain.finished.wait(timeout=5)
+        stopped_after = time.perf_counter() - t0
+        assert stopped_after < 1.0, f"the speculative command ran on for {stopped_after:.1f} s"
+        assert chain.calls[0].result is None  # killed: nothing to serve
+        t1 = time.perf_counter()
+        env.close()
+        assert time.perf_counter() - t1 < 15  # the fork's close does not wait for the sleep either
+        assert chain.fork._closed
+    finally:
+        env.close()
+
+
+def test_the_threshold_is_lower_for_historically_slow_tasks_and_stragglers():
+    entries = (log_entries({"t/fast": ["ls", "DONE"]}, duration=0.1)
+               + log_entries({"t/slow": ["du -sh /", "sort big", "DONE"]}, duration=1.0))
+    spec = Speculation.from_log(entries, min_duration=0.8)
+    assert spec.episode_times == {"t/fast": pytest.approx(0.2), "t/slow": pytest.approx(3.0)}
+    assert spec.threshold("t/fast") == 0.8  # faster than the median task: no lower
+    slow = 0.8 / (3.0 / 1.6)  # 1.6 s: the median episode over both tasks
+    assert spec.threshold("t/slow") == pytest.approx(slow)
+    assert spec.threshold("t/slow", elapsed=2.0) == pytest.approx(slow)
+    assert spec.threshold("t/slow", elapsed=3.5) == pytest.approx(slow / 2)  # a straggler now
+    assert spec.threshold("t/unknown") == 0.8
+
+
+def test_a_call_too_short_for_a_fork_is_speculated_in_a_historically_slow_task():
+    slow_task = log_entries({"shell/make-dir": [SLOW, "DONE"]}, duration=0.5)  # 1 s episodes
+    fast_task = log_entries({"shell/count-files": ["ls", "DONE"]}, duration=0.05)  # 0.1 s episodes
+    launched = {}
+    for name, entries in {"alone": slow_task, "among fast tasks": slow_task + fast_task}.items():
+        spec = Speculation.from_log(entries, min_duration=0.8)
+        env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+        try:
+            env.reset(options={"task": "shell/make-dir"})
+            launched[name] = (spec.stats.launched, spec.stats.skipped_fast)
+        finally:
+            env.close()
+    assert launched == {"alone": (0, 1), "among fast tasks": (1, 0)}
+
+
+def test_the_selector_reads_the_last_observation():
+    entries = []
+    for r in range(6):
+        listing, follow = ("a.txt", "cat a.txt") if r % 2 else ("b.txt", "cat b.txt")
+        for depth, (action, obs) in enumerate([("ls", ""), (follow, listing), ("DONE", "")]):
+            entries.append({"task": "t", "episode": f"e{r}", "depth": depth, "signature": signature(action),
+                            "action": action, "duration": 1.0, "observation": obs})
+    sel = SpecToolSelector.train(entries)
+    assert sel.predict("t", [signature("ls")], "a.txt\n")[0][1] == "cat a.txt"
+    assert sel.predict("t", [signature("ls")], "b.txt\n")[0][1] == "cat b.txt"

@@ -102,7 +102,7 @@ def test_no_timeout_waits(ws):
 # output --------------------------------------------------------------------------------
 def test_ten_megabytes_of_output_on_both_streams(ws):
     digest = ws.exec(f"head -c {MB10} /dev/urandom > /tmp/big && sha256sum /tmp/big", check=True).text.split()[0]
-    res = ws.exec("cat /tmp/big; cat /tmp/big >&2; rm /tmp/big", check=True)
+    res = ws.exec("cat /tmp/big; cat /tmp/big >&2; rm /tmp/big", check=True, max_output=MB10)  # default: 1 MiB
     assert len(res.stdout) == MB10 and len(res.stderr) == MB10
     assert hashlib.sha256(res.stdout).hexdigest() == digest
     assert hashlib.sha256(res.stderr).hexdigest() == digest
@@ -119,7 +119,7 @@ def test_binary_output_is_byte_exact(ws):
 # stdin ---------------------------------------------------------------------------------
 def test_stdin_is_fed_byte_exact(ws):
     data = bytes(range(256)) * 4096 + b"\x00tail"
-    res = ws.exec("cat", stdin=data, check=True)
+    res = ws.exec("cat", stdin=data, check=True, max_output=len(data))  # over the default cap of 1 MiB
     assert res.stdout == data
     assert ws.exec("wc -c", stdin=os.urandom(MB10), check=True).text.strip() == str(MB10)
 

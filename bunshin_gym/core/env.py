@@ -24,20 +24,66 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
 
 from bunshin_gym.core.task import Task
 from bunshin_gym.workspace import Workspace, WorkspaceError
-from bunshin_gym.workspace.errors import SnapshotError
+from bunshin_gym.workspace.errors import AgentError, SnapshotError
+
+log = logging.getLogger(__name__)
 
 
 class ActionError(ValueError):
     """A malformed or impossible action: reported in the observation/info, never raised."""
+
+
+def check_text(text: Any, *, what: str, max_bytes: int) -> str:
+    """``text`` if it can travel to the workspace as it is, else :class:`ActionError` saying why:
+    not a string, a NUL byte (no argv, C string or terminal carries one), a lone surrogate
+    (not Unicode: it has no UTF-8 encoding), or over ``max_bytes`` bytes of UTF-8."""
+    if not isinstance(text, str):
+        raise ActionError(f"{what} must be a string, not {type(text).__name__}")
+    nul = text.find("\0")
+    if nul >= 0:
+        raise ActionError(f"{what} contains a NUL byte (at character {nul}); it cannot be passed on")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ActionError(f"{what} contains a lone surrogate U+{ord(text[e.start]):04X} (at character "
+                          f"{e.start}): not valid Unicode, it has no UTF-8 encoding") from None
+    if size > max_bytes:
+        raise ActionError(f"{what} is {size} bytes of UTF-8, over the limit of {max_bytes}")
+    return text
+
+
+def printable(text: str, limit: int = 4096) -> str:
+    """``text`` cut to ``limit`` characters, every character the envs' Text observation spaces
+    do not hold (control characters, non-printables, anything from the surrogates up) as
+    ``?``: error messages quote the bad action they are about."""
+    return "".join(c if (c.isprintable() and c < "\ud800") or c in "\n\t" else "?" for c in text[:limit])
+
+
+def blank_observation(space: spaces.Space) -> Any:
+    """An observation of ``space`` that says nothing: empty texts, zero arrays, the lowest
+    integers (what an env returns when its workspace cannot be observed)."""
+    if isinstance(space, spaces.Dict):
+        return {k: blank_observation(v) for k, v in space.spaces.items()}
+    if isinstance(space, spaces.Text):
+        return ""
+    if isinstance(space, spaces.Discrete):
+        return np.int64(space.start)
+    if isinstance(space, spaces.Box):
+        return np.clip(np.zeros(space.shape, space.dtype), space.low, space.high).astype(space.dtype)
+    raise TypeError(f"no blank observation for a {type(space).__name__} space: override error_observation")
 
 
 class ResetNeeded(RuntimeError):
@@ -105,6 +151,9 @@ class WorkspaceEnv(gym.Env):
         reset_snapshot: snapshot the state right after each reset (needed by ``rollback()``
             without an argument; costs one snapshot per reset).
         workspace_factory: ``(image, memory_mode) -> workspace``; tests pass a fake here.
+        limits: the workspace's memory, pids and disk limits (a ``Limits`` or a dict such as
+            ``{"memory": "2G", "pids": 512, "disk": "1G"}``; default ``BUNSHIN_WS_*`` or 8G,
+            4096, 8G); clones inherit them.
     """
 
     metadata = {"render_modes": []}
@@ -114,7 +163,8 @@ class WorkspaceEnv(gym.Env):
 
     def __init__(self, task: Any = None, *, image: str | None = None, memory_mode: str = "share",
                  max_steps: int | None = None, reset_snapshot: bool = True,
-                 workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None):
+                 workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None,
+                 limits: Any = None):
         self.image = image or self.default_image
         self.memory_mode = memory_mode
         self.render_mode = render_mode
@@ -122,7 +172,7 @@ class WorkspaceEnv(gym.Env):
         self._max_steps = max_steps
         self._reset_snapshot_enabled = reset_snapshot
         self._factory = workspace_factory or (
-            lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname))
+            lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname, limits=limits))
         self._ws: Any = None
         self._pending: EnvSnapshot | None = None  # lazy: fork from this on first use of the workspace
         self._boot_snap: Any = None
@@ -134,6 +184,11 @@ class WorkspaceEnv(gym.Env):
         self.done = False
         self._closed = False
         self._lock = threading.RLock()
+        #: wall-clock seconds of the last step: ``step_s`` (all of it) and what the family
+        #: records (``command_s``, ``action_s``). Kept out of the step's info, which must be
+        #: the same for the same state and action (gymnasium's determinism contract).
+        self.last_step_timing: dict[str, float] = {}
+        self._timing: dict[str, float] = {}
 
     # hooks for env families ----------------------------------------------------------
     def load_task(self, spec: Any) -> Task:
@@ -163,6 +218,15 @@ class WorkspaceEnv(gym.Env):
 
     def restore_episode_state(self, state: dict) -> None:
         """Inverse of :meth:`episode_state`."""
+
+    def error_observation(self, message: str) -> Any:
+        """The observation of a step whose workspace failed (it cannot be observed): a blank
+        one by default; families put ``message`` where their observations carry errors."""
+        return blank_observation(self.observation_space)
+
+    def record_timing(self, **seconds: float) -> None:
+        """Add entries to this step's :attr:`last_step_timing` (called from ``execute``)."""
+        self._timing.update(seconds)
 
     # gymnasium API ---------------------------------------------------------------------
     @property
@@ -221,25 +285,51 @@ class WorkspaceEnv(gym.Env):
 
     @_locked
     def step(self, action: Any):
+        """One action. Never raises for a bad action or a failed workspace: a malformed,
+        impossible or failing action puts its error in ``info["error"]`` and the episode
+        goes on; a workspace that failed (died, unreachable) ends the episode, truncated with
+        reward 0 and ``info["workspace_failed"]``, with :meth:`error_observation`."""
         self._check_open()
         if self.task is None:
             raise ResetNeeded("call reset() before step()")
         if self.done:
             raise ResetNeeded(f"the episode of task {self.task.id} has ended: call reset() or rollback()")
+        t0 = time.perf_counter()
+        self._timing = {}
         info: dict = {}
         try:
             info.update(self.execute(action) or {})
-        except ActionError as e:
-            info["error"] = str(e)
+        except (ActionError, AgentError) as e:  # AgentError: it ran in the workspace and failed there
+            info["error"] = printable(str(e))
+        except WorkspaceError as e:
+            return self._workspace_failed(e, info, t0)
+        except Exception as e:  # noqa: BLE001 - a bug on an odd action must not end the run
+            log.exception("%s: step of task %s raised on action %.200r", type(self).__name__, self.task.id, action)
+            info["error"] = printable(f"the action could not be run: {type(e).__name__}: {e}")
         self.steps += 1
         terminated = self.done
         truncated = not terminated and self.steps >= self.max_steps
         reward = 0.0
-        if terminated or truncated:
-            self.done = True
-            reward = float(self.task.validate(self))
-            info["success"] = reward >= 1.0
-        return self.observe(), reward, terminated, truncated, info
+        try:
+            if terminated or truncated:
+                self.done = True
+                reward = float(self.task.validate(self))
+                info["success"] = reward >= 1.0
+            obs = self.observe()
+        except WorkspaceError as e:
+            return self._workspace_failed(e, info, t0)
+        self.last_step_timing = {**self._timing, "step_s": time.perf_counter() - t0}
+        return obs, reward, terminated, truncated, info
+
+    def _workspace_failed(self, error: Exception, info: dict, t0: float):
+        """The end of an episode whose workspace failed mid-step."""
+        message = printable(f"the workspace failed: {error}")
+        log.warning("%s: task %s: %s", type(self).__name__, self.task.id if self.task else None, message)
+        self.steps += 1
+        self.done = True
+        info.update(error=message, workspace_failed=True, success=False)
+        self.last_step_timing = {**self._timing, "step_s": time.perf_counter() - t0}
+        return self.error_observation(message), 0.0, False, True, info
 
     @_locked
     def close(self) -> None:
@@ -338,6 +428,7 @@ class WorkspaceEnv(gym.Env):
             twin._closed = False
             twin._lock = threading.RLock()
             twin._np_random = copy.deepcopy(self._np_random)
+            twin.last_step_timing, twin._timing = {}, {}
             twin.restore_episode_state(copy.deepcopy(state))
             self._owned.envs += 1
             envs.append(twin)

@@ -3,7 +3,9 @@
 The group's task is set up once, in one workspace; the G members are forks of it, so they
 share every page they do not write. Members step independently (each in its own thread
 under :meth:`run_group`, or together through the vector ``step``); a finished member stays
-finished (no autoreset) and :attr:`active` says who still runs.
+finished (no autoreset) and :attr:`active` says who still runs. A member that fails (its
+thread raised, or its workspace died mid-step) ends with a failed step (error observation,
+reward 0, ``info["error"]``); the others run on.
 
 Example:
     >>> envs = gym.make_vec("Bunshin-Shell-v0", num_envs=4, vectorization_mode="vector_entry_point")
@@ -15,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +29,10 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
+from bunshin_gym.core.env import printable
+
 Policy = Callable[[int, Any, list], Any]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,6 +56,14 @@ class Trajectory:
     first_observation: Any
     steps: list[Step] = field(default_factory=list)
     wall_s: float = 0.0
+    #: why the member failed (its policy or env raised, its workspace died); None if it did not
+    error: str | None = None
+    #: the exception behind ``error``, when one was raised
+    exception: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     @property
     def reward(self) -> float:
@@ -127,7 +141,10 @@ class GroupVectorEnv(VectorEnv):
                    for i in range(self.num_envs) if self.active[i]}
         rewards = np.zeros(self.num_envs)
         for i, fut in futures.items():
-            obs, reward, term, trunc, info = fut.result()
+            try:
+                obs, reward, term, trunc, info = fut.result()
+            except Exception as e:  # noqa: BLE001 - one member's failure ends that member only
+                obs, reward, term, trunc, info = self._failed_step(i, e)
             self._last[i] = (obs, reward, term, trunc, info)
             rewards[i] = reward
             if term or trunc:
@@ -158,10 +175,17 @@ class GroupVectorEnv(VectorEnv):
             env, traj = self.members[i], Trajectory(i, self.task_id or "", first_obs)
             obs, t_start = first_obs, time.perf_counter()
             while self.active[i] and (max_steps is None or len(traj.steps) < max_steps):
-                t0 = time.perf_counter()
-                action = policy(i, obs, traj.steps)
-                t1 = time.perf_counter()
-                obs, reward, term, trunc, info = env.step(action)
+                t0 = t1 = time.perf_counter()
+                action = None
+                try:
+                    action = policy(i, obs, traj.steps)
+                    t1 = time.perf_counter()
+                    obs, reward, term, trunc, info = env.step(action)
+                except Exception as e:  # noqa: BLE001 - the member fails, the group goes on
+                    traj.error, traj.exception = info_error(e), e
+                    obs, reward, term, trunc, info = self._failed_step(i, e)
+                if info.get("workspace_failed") and traj.error is None:
+                    traj.error = info.get("error")
                 step = Step(action, obs, float(reward), term, trunc, info, t1 - t0, time.perf_counter() - t1)
                 traj.steps.append(step)
                 self._last[i] = (obs, reward, term, trunc, info)
@@ -174,17 +198,37 @@ class GroupVectorEnv(VectorEnv):
 
         return list(self._pool.map(episode, range(self.num_envs)))
 
+    def _failed_step(self, i: int, error: Exception) -> tuple:
+        """The last step of member ``i`` after it raised: an error observation (its env's, else
+        its last one), reward 0, truncated; the member stops."""
+        message = info_error(error)
+        log.warning("group %s, member %d failed: %s", self.task_id, i, message, exc_info=error)
+        self.active[i] = False
+        try:
+            obs = self.members[i].unwrapped.error_observation(printable(message))
+        except Exception:  # noqa: BLE001 - not a WorkspaceEnv, or it cannot even say that
+            obs = self._last[i][0]
+        return obs, 0.0, False, True, {"error": message, "member_failed": True, "success": False}
+
     def close_extras(self, **kwargs: Any) -> None:
         self._close_members()
         self._pool.shutdown(wait=True)
         self.root.close()
 
     def _close_members(self) -> None:
-        for env in self.members:
-            env.close()
+        for i, env in enumerate(self.members):
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - a failed member must not keep the others open
+                log.exception("group %s: closing member %d failed", self.task_id, i)
         self.members = []
         self.active[:] = False
 
     def _batch_obs(self, observations: list) -> Any:
         out = create_empty_array(self.single_observation_space, self.num_envs)
         return concatenate(self.single_observation_space, observations, out)
+
+
+def info_error(error: BaseException) -> str:
+    """A failure as the ``error`` text of a step's info."""
+    return f"member failed: {type(error).__name__}: {error}"

@@ -9,9 +9,19 @@ workspace right after it.
 
 - **hit**: the call is a child of the current node: its recorded result is returned, nothing
   executes, and no writable fork is created (a lazy member stays without a workspace);
-- **miss**: the workspace is brought to the current node (the deepest snapshot on the path
-  is restored, or the live workspace is reused if it is on the path, then the calls in
-  between are replayed), the call executes, and a node is recorded.
+- **miss**: the workspace is brought to the current node, the call executes, and a node is
+  recorded. To get there the cache starts from the cheapest of: the live workspace (if it
+  is on the path), a snapshot on the path, or the episode's start; then it replays the
+  calls in between. The cost of a start is its restore (the measured mean of hot restores,
+  snapshot images resident in memory, or of cold ones, read back from disk) plus the
+  recorded durations of the calls it has to replay.
+
+Replays are checked: a replayed call whose observation differs from the one recorded
+(:func:`~bunshin_gym.rollout.observation.same_observation`) is not deterministic. The cache
+marks it, never serves it again (for that prefix: the subtree below it is dropped from
+service and from memory) and counts it in ``stats.nondeterministic``. The episode that
+found it goes on without the cache ("off the tree": every call executes), since its live
+workspace is no longer the state the recorded results describe.
 
 A hit is valid only for the same task (id and definition), the same image and the same
 full prefix. Snapshots stay on disk in the snapshot store; hot ones are kept in memory
@@ -24,7 +34,7 @@ Example:
     >>> env.reset(options={"task": "shell/count-files"})
     >>> env.step("ls /data")        # miss: executed and recorded
     >>> env.reset(options={"task": "shell/count-files"})
-    >>> env.step("ls  /data")       # hit: same signature, served from the tree
+    >>> env.step("ls  /data")       # hit: same signature (blanks between words), served from the tree
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import copy
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import pickle
 import threading
@@ -48,11 +59,16 @@ import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
+from bunshin_gym.rollout.observation import observation_text, same_observation
 from bunshin_gym.rollout.residency import Residency
 from bunshin_gym.rollout.signature import signature
-from bunshin_gym.rollout.stats import Counted
+from bunshin_gym.rollout.stats import CacheStats, Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceError
+
+__all__ = ["CacheStats", "Node", "PrefixCache", "PrefixCacheWrapper", "PrefixTree", "cache_key"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -67,6 +83,7 @@ class Node:
     children: dict[str, Node] = field(default_factory=dict)
     parent: Node | None = field(default=None, repr=False)
     hits: int = 0
+    nondeterministic: bool = False  # a replay of it gave another observation: never served
     inflight: threading.Event | None = field(default=None, repr=False)  # set when the first run is done
 
     def __getstate__(self) -> dict:
@@ -131,6 +148,8 @@ class PrefixTree:
         same time) wait for its result instead of running it again."""
         with self.lock:
             child = parent.children.get(sig)
+            if child is not None and child.nondeterministic:
+                return child, False  # the caller executes it, off the tree
             if child is not None and (child.result or child.inflight is not None):
                 return child, False
             if child is None:
@@ -171,30 +190,13 @@ def _merge(mine: Node, theirs: Node) -> None:
         mine.snapshot, mine.state = theirs.snapshot, theirs.state
     if not mine.result and theirs.result:
         mine.result, mine.duration = theirs.result, theirs.duration
+    mine.nondeterministic = mine.nondeterministic or theirs.nondeterministic
     for sig, child in theirs.children.items():
         if sig in mine.children:
             _merge(mine.children[sig], child)
         else:
             child.parent = mine
             mine.children[sig] = child
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    replays: int = 0
-    restores: int = 0
-    snapshots: int = 0
-    snapshot_s: float = 0.0
-
-    @property
-    def served(self) -> int:
-        return self.hits
-
-    def as_dict(self) -> dict:
-        total = self.hits + self.misses
-        return {**vars(self), "hit_rate": round(self.hits / total, 3) if total else 0.0}
 
 
 class PrefixCache(Counted):
@@ -230,6 +232,41 @@ class PrefixCache(Counted):
     def save(self) -> None:
         self.tree.save()
 
+    def mark_nondeterministic(self, node: Node) -> bool:
+        """Never serve ``node`` again: its subtree is dropped from service and from memory
+        (its snapshots are deleted with the tree, by :meth:`clear`). Returns whether it was
+        newly marked."""
+        with self.tree.lock:
+            if node.nondeterministic:
+                return False
+            node.nondeterministic = True
+            below, stack = [], [node]
+            while stack:
+                n = stack.pop()
+                below.append(n)
+                stack.extend(n.children.values())
+        self.residency.drop(below)
+        self.count(nondeterministic=1)
+        logger.warning("prefix cache: %s (depth %d) gave another observation when replayed; it is not "
+                       "served again", node.sig[:200], node.depth)
+        return True
+
+    def start_cost(self, path: list[Node], live: int | None) -> tuple[float, int]:
+        """The cheapest way to bring a workspace to ``path[-1]``: (estimated seconds, index
+        of the start), where the start is ``live`` (the live workspace's index, no restore),
+        a snapshotted node's index (a restore), or 0 (the episode's start state, restored).
+        Each start costs its restore plus the recorded durations of the calls after it."""
+        after = [0.0] * (len(path) + 1)  # after[i]: seconds to replay path[i:]
+        for i in range(len(path) - 1, -1, -1):
+            after[i] = after[i + 1] + path[i].duration
+        options = [(self.stats.restore_cost(True) + after[1], 0)]  # the start state: kept hot
+        options += [(self.stats.restore_cost(self.residency.is_resident(n)) + after[i + 1], i)
+                    for i, n in enumerate(path) if i > 0 and n.snapshot]
+        if live is not None:
+            options.append((after[live + 1], live))
+        # ties go to the deeper start (fewer replays, fewer chances of a non-deterministic call)
+        return min(options, key=lambda o: (o[0], -o[1]))
+
     def clear(self) -> None:
         """Forget the tree and delete its snapshots (leaves first)."""
         with self.tree.lock:
@@ -259,13 +296,18 @@ class PrefixCacheWrapper(BunshinWrapper):
         self.real: Node | None = None  # where the live workspace is, if on the tree
         self.base: EnvSnapshot | None = None  # the episode's start state
         self.episode = ""
+        self.depth = 0  # calls made in this episode
+        self.off_tree = False  # the episode left the tree (a replay differed): every call executes
+        self.last_obs: Any = None  # the observation the next call is made from (for the log)
         self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache")
         self._pending: Future | None = None
+        self._failed: tuple | None = None  # a replay's step result when the workspace died in it
 
     def _rewrap(self, inner: gym.Env) -> PrefixCacheWrapper:
         twin = PrefixCacheWrapper(inner, self.cache)
         twin.node = twin.real = self.node
         twin.base, twin.episode = self.base, uuid.uuid4().hex[:12]
+        twin.depth, twin.off_tree, twin.last_obs = self.depth, self.off_tree, self.last_obs
         return twin
 
     # episode ---------------------------------------------------------------------------
@@ -286,7 +328,8 @@ class PrefixCacheWrapper(BunshinWrapper):
         # the episode's start state: a lazy member's pending snapshot or the reset snapshot
         self.base = base._pending or base._reset_snap or base.snapshot()
         self.episode = uuid.uuid4().hex[:12]
-        _inner_call(self.env, "set_cached", set(self.node.children))
+        self.depth, self.off_tree, self.last_obs, self._failed = 0, False, obs, None
+        _inner_call(self.env, "set_cached", self._servable())
         _inner_call(self.env, "start_episode", obs, info)
 
     def step(self, action: Any):
@@ -294,9 +337,15 @@ class PrefixCacheWrapper(BunshinWrapper):
         if self.node is None:
             raise gym.error.ResetNeeded("call reset() before step()")
         sig = signature(action, self.env)
+        if self._failed is not None:  # the workspace died while a replay caught up with the episode
+            return self._take_failure()
+        if self.off_tree:
+            return self._execute_off_tree(action, sig)
         child, mine = self.cache.tree.claim(self.node, sig, action)
         if not mine and child.inflight is not None:
             child.inflight.wait()  # another member runs this very call now: wait for its result
+        if child.nondeterministic:
+            return self._execute_off_tree(action, sig)
         if not mine and child.result:
             return self._hit(child, sig)
         try:
@@ -313,26 +362,64 @@ class PrefixCacheWrapper(BunshinWrapper):
         obs, reward, term, trunc, info = child.load_result()
         info = dict(info, cache="hit")
         _inner_call(self.env, "skip_call", sig)
-        self._log(child, "cache")
+        self._log(sig, child.action, child.duration, "cache", obs)
         if self.env.unwrapped.materialized and not (term or trunc):
             self._background(self._materialize)  # replay during think time; keeps the fork warm
         return obs, reward, term, trunc, info
 
     def _execute(self, action: Any, sig: str) -> tuple:
         self._materialize()
+        if self._failed is not None:
+            return self._take_failure()
+        if self.off_tree:  # a replay on the way here differed from its record
+            return self._execute_off_tree(action, sig)
         _inner_call(self.env, "set_cached", set())
         t0 = time.perf_counter()
         obs, reward, term, trunc, info = self.env.step(action)
-        duration = time.perf_counter() - t0
+        if info.get("workspace_failed"):  # not the call's result: the workspace died under it
+            self.off_tree, self.real = True, None
+            self.cache.count(misses=1, off_tree=1)
+            return obs, reward, term, trunc, dict(info, cache="miss")
+        # a call served by speculation took what the fork spent on it (a replay costs that much)
+        duration = info.get("speculation_s", time.perf_counter() - t0)
         served = info.get("speculation") == "hit" and "speculated" or "executed"
-        clean = {k: v for k, v in info.items() if k not in ("speculation", "cache")}
+        clean = {k: v for k, v in info.items() if k not in ("speculation", "speculation_s", "cache")}
         child = self.cache.tree.add(self.node, sig, action, (obs, reward, term, trunc, clean), duration)
         self.node = self.real = child
         self.cache.count(misses=1)
-        self._log(child, served)
+        self._log(sig, action, duration, served, obs)
         if not (term or trunc) and child.depth % self.cache.snapshot_every == 0 and not child.snapshot:
             self._background(self._snapshot, child)
         return obs, reward, term, trunc, dict(info, cache="miss")
+
+    def _execute_off_tree(self, action: Any, sig: str) -> tuple:
+        """Execute a call the cache cannot serve or record (the episode is off the tree, or
+        the call is not deterministic); the episode stays off the tree."""
+        self._materialize()  # the calls so far, in the live workspace (checked on the way)
+        if self._failed is not None:
+            return self._take_failure()
+        if not self.off_tree:
+            self.off_tree = True
+            self.cache.count(off_tree=1)
+        self.real = None
+        _inner_call(self.env, "set_cached", set())
+        t0 = time.perf_counter()
+        obs, reward, term, trunc, info = self.env.step(action)
+        duration = info.get("speculation_s", time.perf_counter() - t0)
+        self.cache.count(misses=1)
+        served = info.get("speculation") == "hit" and "speculated" or "executed"
+        self._log(sig, action, duration, served, obs)
+        return obs, reward, term, trunc, dict(info, cache="miss")
+
+    def _take_failure(self) -> tuple:
+        out, self._failed = self._failed, None
+        self.cache.count(misses=1)
+        return out
+
+    def _servable(self) -> set[str]:
+        """Calls the cache serves from the current node (speculation need not run them)."""
+        with self.cache.tree.lock:
+            return {s for s, c in self.node.children.items() if c.result and not c.nondeterministic}
 
     @property
     def workspace(self) -> Any:
@@ -365,31 +452,64 @@ class PrefixCacheWrapper(BunshinWrapper):
             fut.result()
 
     def _materialize(self) -> None:
-        """Bring the live workspace to ``self.node``: reuse it if it is on the path, else
-        restore the deepest snapshot on the path; then replay the calls in between."""
-        if self.real is self.node:
+        """Bring the live workspace to ``self.node`` from the cheapest start (the live
+        workspace if it is on the path, a snapshot on it, or the episode's start: see
+        :meth:`PrefixCache.start_cost`), then replay the calls in between, checking each."""
+        if self.off_tree or self.real is self.node:
             return
         path = self.node.path()
-        start = None
-        if self.real is not None and self.real in path:
-            start = path.index(self.real)
-        snap_at = max((i for i, n in enumerate(path) if n.snapshot and (start is None or i > start)), default=None)
+        live = path.index(self.real) if self.real is not None and self.real in path else None
         base = self.env.unwrapped
         _inner_call(self.env, "cancel_speculation")
-        if snap_at is not None:
-            snap = self._env_snapshot(path[snap_at])
+        while True:
+            _, start = self.cache.start_cost(path, live)
+            if start == live:
+                break
+            if start == 0:
+                self._restore(self.base, None)
+                break
+            snap = self._env_snapshot(path[start])
             if snap is not None:
-                base.rollback(snap)
-                self.cache.count(restores=1)
-                self.cache.residency.touch(path[snap_at])
-                start = snap_at
-        if start is None:
-            base.rollback(self.base)
-            start = 0
+                self._restore(snap, path[start])
+                break
+            # the snapshot is gone (node.snapshot cleared): choose again without it
+        diverged = False
         for node in path[start + 1:]:
-            base.step(node.action)
-            self.cache.count(replays=1)
-        self.real = self.node
+            t0 = time.perf_counter()
+            obs, reward, term, trunc, info = base.step(node.action)
+            self.cache.count(replays=1, replay_s=time.perf_counter() - t0)
+            if info.get("workspace_failed"):  # the live workspace died: the episode's next step reports it
+                self._failed = (obs, reward, term, trunc, dict(info, cache="miss"))
+                diverged = True
+                break
+            if diverged:
+                continue  # the episode's later calls still run, to keep its step count and effects
+            r_obs, r_reward, r_term, r_trunc, _ = node.load_result()
+            if not same_observation(obs, r_obs) or (reward, term, trunc) != (r_reward, r_term, r_trunc):
+                self.cache.mark_nondeterministic(node)
+                diverged = True
+        if diverged:
+            self.off_tree, self.real = True, None
+            self.cache.count(off_tree=1)
+        else:
+            self.real = self.node
+
+    def _restore(self, snap: EnvSnapshot, node: Node | None) -> None:
+        """Roll the env back to ``snap`` (a node's snapshot, or the episode's start) and
+        record what it cost, as a hot or a cold restore."""
+        base = self.env.unwrapped
+        hot = node is None or self.cache.residency.is_resident(node)
+        t0 = time.perf_counter()
+        base.rollback(snap)
+        base.workspace  # noqa: B018 - a lazy env forks here: part of the restore's cost
+        seconds = time.perf_counter() - t0
+        if node is None:
+            return  # the start state: not a cached snapshot
+        self.cache.residency.touch(node)
+        if hot:
+            self.cache.count(restores=1, restores_hot=1, restore_hot_s=seconds)
+        else:
+            self.cache.count(restores=1, restores_cold=1, restore_cold_s=seconds)
 
     def _env_snapshot(self, node: Node) -> EnvSnapshot | None:
         from bunshin_gym.workspace.snapshot import SnapshotStore
@@ -405,7 +525,7 @@ class PrefixCacheWrapper(BunshinWrapper):
     def _snapshot(self, node: Node) -> None:
         t0 = time.perf_counter()
         base = self.env.unwrapped
-        snap = base.snapshot(keep=True, prefix=node.sig)
+        snap = base.snapshot(keep=True, prefix=node.sig[:200])
         with self.cache.tree.lock:
             if node.snapshot:  # another member got there first
                 _delete_snapshot(snap.id)
@@ -414,10 +534,15 @@ class PrefixCacheWrapper(BunshinWrapper):
         self.cache.residency.add(node, snap.workspace.size())
         self.cache.count(snapshots=1, snapshot_s=time.perf_counter() - t0)
 
-    def _log(self, node: Node, served: str) -> None:
+    def _log(self, sig: str, action: Any, duration: float, served: str, obs: Any) -> None:
+        """One log line per call, with the text of the observation it was made from (what
+        the selector learns from); ``obs`` is the call's own, the next call's context."""
         if self.cache.log is not None:
-            self.cache.log.record(task=self.env.unwrapped.task.id, episode=self.episode, depth=node.depth - 1,
-                                  signature=node.sig, action=node.action, duration=node.duration, served=served)
+            self.cache.log.record(task=self.env.unwrapped.task.id, episode=self.episode, depth=self.depth,
+                                  signature=sig, action=action, duration=duration, served=served,
+                                  observation=observation_text(self.last_obs))
+        self.depth += 1
+        self.last_obs = obs
 
 
 def _inner_call(env: gym.Env, method: str, *args: Any) -> None:

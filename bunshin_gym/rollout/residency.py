@@ -33,6 +33,19 @@ class Residency:
             self.sizes[node] = size
         self.touch(node)
 
+    def is_resident(self, node: Any) -> bool:
+        with self._lock:
+            return node in self.resident
+
+    def drop(self, nodes: list) -> None:
+        """Stop keeping these snapshots in memory (a subtree the cache no longer serves)."""
+        with self._lock:
+            gone = [n for n in nodes if n in self.resident]
+            for n in gone:
+                del self.resident[n]
+        for n in gone:
+            _drop_from_memory(n)
+
     def touch(self, node: Any) -> None:
         """Mark a snapshot (and its snapshotted ancestors) used now; evict over budget."""
         with self._lock:

@@ -1,14 +1,23 @@
 """Speculative tool execution: run the predicted next calls in a fork while the policy thinks.
 
-After each step, :class:`SpeculativeWrapper` asks the :class:`SpecToolSelector` for the
-next ``depth`` calls. If the first of them is slow by the recorded timings (tail-aware:
-fast calls are not worth a fork), it forks the env and runs the chain there in the
-background. When the actual call is known it is compared with the chain:
+After a step, :class:`SpeculativeWrapper` asks the :class:`SpecToolSelector` for the next
+``depth`` (K) calls, from the episode's calls so far and its last observation. It forks the
+env and runs the chain there in the background, snapshotting the fork after each call but
+the last, when the first call is slow enough to be worth a fork. That is tail-aware, from
+the trajectory log: a call qualifies when its recorded median duration reaches a
+threshold, and the threshold is lower for the samples that make an epoch's tail: tasks
+whose episodes historically take longer than the median task's, and an episode that has
+already run longer than its task's median episode (a straggler now). Each actual call is compared with the
+chain's next one (by :func:`signature` under the env's rules):
 
-- **match**: the speculated observation is returned and the fork's state adopted; only
-  what remains of the call is waited for (a call not yet started is not waited for);
-- **mismatch**: the chain is discarded and the actual call runs from the last valid state
-  (the env's own, untouched workspace).
+- **match**: the speculated observation is returned and the state after that call adopted
+  (the snapshot recorded after it, or the fork's own workspace after the chain's last
+  call); only what remains of the call is waited for (a call not yet started is not
+  waited for). No new chain starts while one is still ahead of the actual calls.
+- **mismatch**: the chain is dropped: every process of the fork is killed at once (the
+  command running there does not run to its end) and the fork is closed in the
+  background; the actual call runs from the last valid state, the env's own workspace,
+  and nothing the chain ran after the last match is adopted.
 
 Speculative forks have no external network (workspaces only have ``lo``).
 
@@ -19,9 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import logging
+import statistics
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +39,14 @@ import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
+from bunshin_gym.rollout.observation import observation_text
 from bunshin_gym.rollout.selector import SpecToolSelector
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import Counted
+from bunshin_gym.rollout.trajlog import TrajectoryLog
+from bunshin_gym.workspace.errors import WorkspaceError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,16 +72,44 @@ class Speculation(Counted):
         depth: calls speculated ahead (K); beyond the first, the fork is snapshotted after
             each call so a later match can adopt the state at that point.
         durations: recorded median duration of each signature (``TrajectoryLog.durations``).
-        min_duration: speculate only when the predicted call took at least this long.
+        min_duration: speculate only when the predicted call took at least this long (for a
+            task of median slowness; see :meth:`threshold`).
+        episode_times: recorded median tool time of an episode of each task
+            (``TrajectoryLog.episode_times``): what makes a task or an episode slow.
     """
 
+    #: the most the threshold is lowered for a slow task, and the factor for a straggler episode
+    MAX_TASK_BOOST = 4.0
+    STRAGGLER_BOOST = 2.0
+
     def __init__(self, selector: SpecToolSelector, *, depth: int = 1, durations: dict[str, float] | None = None,
-                 min_duration: float = 0.3):
+                 min_duration: float = 0.3, episode_times: dict[str, float] | None = None):
         self.selector = selector
         self.depth = max(1, depth)
         self.durations = durations or {}
         self.min_duration = min_duration
+        self.episode_times = episode_times or {}
+        self._median_episode = statistics.median(self.episode_times.values()) if self.episode_times else 0.0
         self.stats = SpecStats()
+
+    @classmethod
+    def from_log(cls, entries: list[dict], selector: SpecToolSelector | None = None, **kwargs: Any) -> Speculation:
+        """Speculation configured from a trajectory log: the selector trained on it (unless
+        given), the calls' durations and the tasks' episode times."""
+        return cls(selector or SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
+                   episode_times=TrajectoryLog.episode_times(entries), **kwargs)
+
+    def threshold(self, task: str, elapsed: float = 0.0) -> float:
+        """Seconds a predicted call must have taken to be speculated, for an episode of
+        ``task`` that has spent ``elapsed`` seconds in tools so far."""
+        t = self.min_duration
+        mine = self.episode_times.get(task)
+        if mine is None or self._median_episode <= 0:
+            return t
+        t /= min(self.MAX_TASK_BOOST, max(1.0, mine / self._median_episode))  # a historically slow task
+        if elapsed > mine:  # this episode runs longer than the task's usual: a straggler
+            t /= self.STRAGGLER_BOOST
+        return t
 
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
@@ -80,16 +123,20 @@ class _Call:
     started: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple | None = None
-    state: EnvSnapshot | None = None  # the fork's state after this call (chains deeper than 1)
+    seconds: float = 0.0  # what the call took in the fork
+    state: EnvSnapshot | None = None  # the fork's state after this call, when more calls follow it
 
 
 class _Chain:
+    """The K predicted calls of one speculation and the fork that runs them, in order."""
+
     def __init__(self, calls: list[_Call]):
         self.calls = calls
         self.pos = 0  # next call to compare
+        self.last_run = -1  # index of the last call the fork ran to its end (its workspace is there)
         self.fork: Any = None  # the forked env
         self.cancelled = threading.Event()
-        self.future: Future | None = None
+        self.finished = threading.Event()  # the background run is over (ran, failed or was stopped)
 
 
 class SpeculativeWrapper(BunshinWrapper):
@@ -99,14 +146,15 @@ class SpeculativeWrapper(BunshinWrapper):
         super().__init__(env)
         self.speculation = spec
         self.history: list[str] = []
+        self.elapsed = 0.0  # seconds this episode's calls took (served ones: as recorded)
         self.cached: set[str] = set()  # calls an outer prefix cache serves from here
         self._chain: _Chain | None = None
-        self._bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculation")
-        self._discards: list[threading.Thread] = []
+        self._served_s = 0.0  # fork seconds of the call _take served last
+        self._threads: list[threading.Thread] = []  # chain runs and fork discards under way
 
     def _rewrap(self, inner: gym.Env) -> SpeculativeWrapper:
         twin = SpeculativeWrapper(inner, self.speculation)
-        twin.history = list(self.history)
+        twin.history, twin.elapsed = list(self.history), self.elapsed
         return twin
 
     def reset(self, **kwargs: Any):
@@ -117,7 +165,7 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def start_episode(self, obs: Any, info: dict) -> None:
         self.cancel_speculation()
-        self.history = []
+        self.history, self.elapsed = [], 0.0
         self._launch(obs)
 
     def rollback(self, snapshot=None, **kwargs: Any):
@@ -126,14 +174,18 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def step(self, action: Any):
         sig = signature(action, self.env)
+        t0 = time.perf_counter()
         served = self._take(sig)
         if served is None:
             obs, reward, term, trunc, info = self.env.step(action)
+            self.elapsed += time.perf_counter() - t0
         else:
+            self.elapsed += self._served_s
             obs, reward, term, trunc, info = served
-            info = dict(info, speculation="hit")
+            # speculation_s: what the call took in the fork (the time its log entry records)
+            info = dict(info, speculation="hit", speculation_s=self._served_s)
         self.history.append(sig)
-        if not (term or trunc):
+        if not (term or trunc) and self._chain is None:  # a chain under way keeps running ahead
             self._launch(obs)
         return obs, reward, term, trunc, info
 
@@ -149,25 +201,28 @@ class SpeculativeWrapper(BunshinWrapper):
         """An outer wrapper served this call: no speculation now, but remember the call."""
         self.cancel_speculation()
         self.history.append(sig)
+        self.elapsed += self.speculation.durations.get(sig, 0.0)
 
     def set_cached(self, sigs: set[str]) -> None:
         self.cached = set(sigs)
 
     def cancel_speculation(self) -> None:
+        """Drop the chain under way: its fork's running command is killed now (not left to
+        run to its end), and the fork is closed in the background."""
         chain, self._chain = self._chain, None
         if chain is not None:
-            chain.cancelled.set()
+            _stop(chain)
             self._discard(chain)
 
     def close(self) -> None:
         self.cancel_speculation()
-        self._bg.shutdown(wait=True)
-        for t in self._discards:
+        for t in self._threads:
             t.join()
         super().close()
 
     # internals -------------------------------------------------------------------------
     def _take(self, sig: str) -> tuple | None:
+        """The speculated result of the actual call ``sig`` (its state adopted), or None."""
         chain = self._chain
         if chain is None:
             return None
@@ -185,70 +240,111 @@ class SpeculativeWrapper(BunshinWrapper):
             self.cancel_speculation()
             return None
         base = self.env.unwrapped
-        chain.pos += 1
-        last = chain.pos == len(chain.calls)
-        if last:  # the fork is idle at exactly this state: adopt its workspace
-            chain.future.result()
+        pos, chain.pos = chain.pos, chain.pos + 1
+        if call.state is not None:  # the fork runs on: take the state recorded after this call
+            base.rollback(call.state)
+        else:  # no state was recorded after it: adopt the fork's workspace if it stopped here
+            chain.finished.wait()
             fork = chain.fork
+            if chain.last_run != pos or fork is None or fork._ws is None:
+                self.cancel_speculation()
+                return None
             base.adopt(fork._ws, EnvSnapshot(None, fork.task, fork.steps, fork.done, fork.episode_state()))
             fork._ws = None
-            self._chain = None
-            self._discard(chain)
-        else:  # the fork runs on: take the state recorded after this call
-            base.rollback(call.state)
+            self.cancel_speculation()
         self.speculation.count(matched=1)
+        self._served_s = call.seconds
         return call.result
 
     def _launch(self, obs: Any) -> None:
         base = self.env.unwrapped
         if base.task is None:
             return
-        text = obs.get("output", "") if isinstance(obs, dict) else ""
-        chain = self.speculation.selector.predict(base.task.id, self.history, text if isinstance(text, str) else "",
-                                           k=self.speculation.depth)
+        chain = self.speculation.selector.predict(base.task.id, self.history, observation_text(obs),
+                                                  k=self.speculation.depth)
         if not chain:
             return
-        if chain[0][0] in self.cached:
+        # the selector's signatures may come from a log written without the env: compare the
+        # actual calls with the predicted actions' signatures under this env's rules
+        calls = [_Call(signature(action, self.env), action) for _, action, _ in chain]
+        if calls[0].sig in self.cached:
             self.speculation.count(skipped_cached=1)
             return
-        if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.min_duration:
+        if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.threshold(base.task.id, self.elapsed):
             self.speculation.count(skipped_fast=1)
             return
-        self._chain = _Chain([_Call(sig, action) for sig, action, _ in chain])
-        self._chain.future = self._bg.submit(self._run, self._chain)
+        self._chain = _Chain(calls)
+        self._spawn(self._run, self._chain, name="speculation")
         self.speculation.count(launched=1)
 
     def _run(self, chain: _Chain) -> None:
+        try:
+            self._run_chain(chain)
+        finally:
+            for call in chain.calls:  # never leave a waiter hanging
+                call.started.set()
+                call.done.set()
+            chain.finished.set()
+
+    def _run_chain(self, chain: _Chain) -> None:
         base = self.env.unwrapped
         t0 = time.perf_counter()
         # a lazy env (no workspace yet) is forked from its pending snapshot, not materialized
-        (chain.fork,) = base.clone(1, lazy=not base.materialized)
+        try:
+            (chain.fork,) = base.clone(1, lazy=not base.materialized)
+            chain.fork.workspace  # noqa: B018 - fork it now, so that a cancel can kill what runs in it
+        except Exception:  # noqa: BLE001 - no fork, no speculation (the actual call runs normally)
+            logger.debug("speculative fork failed", exc_info=True)
+            return
         self.speculation.count(fork_s=time.perf_counter() - t0)
         for i, call in enumerate(chain.calls):
-            if chain.cancelled.is_set():
-                break
+            if chain.cancelled.is_set():  # checked after the fork exists: _stop kills it otherwise
+                return
             call.started.set()
             try:
+                t0 = time.perf_counter()
                 call.result = chain.fork.step(call.action)
-                if i < len(chain.calls) - 1 and not (call.result[2] or call.result[3]):
+                call.seconds = time.perf_counter() - t0
+                if chain.cancelled.is_set() or call.result[4].get("workspace_failed"):
+                    call.result = None  # killed by a cancel, or the fork failed: nothing to serve
+                    return
+                chain.last_run = i
+                end = call.result[2] or call.result[3]
+                if i < len(chain.calls) - 1 and not end:
                     call.state = chain.fork.snapshot()
-            except Exception:  # noqa: BLE001 - a failed speculation is just not served
-                call.result = None
+            except Exception:  # noqa: BLE001 - a failed (or killed) speculation is just not served
+                if not chain.cancelled.is_set():
+                    logger.debug("speculative call %s failed", call.sig, exc_info=True)
+                call.result, call.state = None, None
+                return
             finally:
                 call.done.set()
-            if call.result is None or call.result[2] or call.result[3]:
-                break
-        for call in chain.calls:  # never leave a waiter hanging
-            call.started.set()
-            call.done.set()
+            if end:
+                return
 
     def _discard(self, chain: _Chain) -> None:
         def close_fork() -> None:
-            if chain.future is not None:
-                chain.future.exception()  # wait for the background run to stop
+            chain.finished.wait()  # the run stops at once: its fork's processes are dead
             if chain.fork is not None:
                 chain.fork.close()
 
-        t = threading.Thread(target=close_fork, name="speculation-discard", daemon=True)
+        self._spawn(close_fork, name="speculation-discard")
+
+    def _spawn(self, fn, *args: Any, name: str) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
         t.start()
-        self._discards = [d for d in self._discards if d.is_alive()] + [t]
+        self._threads = [d for d in self._threads if d.is_alive()] + [t]
+
+
+def _stop(chain: _Chain) -> None:
+    """Cancel a chain and kill every process of its fork's workspace: the call running there
+    (and the agent answering it) dies, so the fork's step fails at once instead of running on."""
+    chain.cancelled.set()
+    fork = chain.fork
+    ws = getattr(fork, "_ws", None)
+    if ws is None or getattr(ws, "closed", True) or chain.finished.is_set():
+        return
+    try:
+        ws.cgroup.kill_all()
+    except (OSError, WorkspaceError) as e:  # already gone: nothing runs there any more
+        logger.debug("killing speculative fork %s: %s", ws.id, e)

@@ -1,8 +1,14 @@
-"""Thread-safe counters shared by all the envs a cache or a speculation object serves."""
+"""Thread-safe counters shared by all the envs a cache or a speculation object serves, and
+the prefix cache's statistics (hits, replays, restores and what they cost)."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
+
+#: what a restore is assumed to cost (seconds) before any has been measured: hot (the
+#: snapshot's images resident in memory) and cold (read back from disk)
+PRIOR_RESTORE_S = {True: 0.3, False: 0.6}
 
 
 class Counted:
@@ -15,3 +21,37 @@ class Counted:
         with lock:
             for k, v in deltas.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    replays: int = 0  # calls re-executed to bring a workspace to an episode's position
+    replay_s: float = 0.0
+    restores: int = 0
+    snapshots: int = 0
+    snapshot_s: float = 0.0
+    # restores of a resident (hot) snapshot and of one read back from disk (cold), and their time
+    restores_hot: int = 0
+    restore_hot_s: float = 0.0
+    restores_cold: int = 0
+    restore_cold_s: float = 0.0
+    # replayed calls whose observation differed from the recorded one: never served again
+    nondeterministic: int = 0
+    off_tree: int = 0  # episodes that went on without the cache after such a difference
+
+    @property
+    def served(self) -> int:
+        return self.hits
+
+    def restore_cost(self, hot: bool) -> float:
+        """Mean measured seconds of a hot or cold restore (the prior until one is measured)."""
+        n, total = (self.restores_hot, self.restore_hot_s) if hot else (self.restores_cold, self.restore_cold_s)
+        return total / n if n else PRIOR_RESTORE_S[hot]
+
+    def as_dict(self) -> dict:
+        total = self.hits + self.misses
+        return {**vars(self), "hit_rate": round(self.hits / total, 3) if total else 0.0,
+                "restore_hot_mean_s": round(self.restore_cost(True), 4),
+                "restore_cold_mean_s": round(self.restore_cost(False), 4)}

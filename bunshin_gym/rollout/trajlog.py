@@ -1,6 +1,7 @@
 """The trajectory log: one JSON line per tool call, shared by the cache, speculation and the
 selector. It records what was called (signature and action), where (task, episode, depth),
-how long the tool took, and whether the cache or speculation served it.
+how long the tool took, whether the cache or speculation served it, and the text of the
+observation the call was made from (``observation``: what the selector learns from).
 
 Example:
     >>> log = TrajectoryLog("/var/lib/bunshin/trajectories.jsonl")
@@ -61,3 +62,12 @@ class TrajectoryLog:
             if e.get("served") in (None, "executed", "speculated") and e.get("duration") is not None:
                 by[e["signature"]].append(float(e["duration"]))
         return {sig: statistics.median(v) for sig, v in by.items()}
+
+    @staticmethod
+    def episode_times(entries: list[dict]) -> dict[str, float]:
+        """Median tool time of an episode of each task: the sum of its calls' durations (a
+        served call counts what it took when it ran), over the task's episodes."""
+        by: dict[str, list[float]] = defaultdict(list)
+        for ep in TrajectoryLog.episodes(entries):
+            by[ep[0].get("task", "")].append(sum(float(e.get("duration") or 0.0) for e in ep))
+        return {task: statistics.median(v) for task, v in by.items()}

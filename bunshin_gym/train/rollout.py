@@ -298,6 +298,8 @@ class BunshinRollout:
                     batcher.leave()
 
             trajs = envs.run_group(policy, on_step=on_step)
+            if batcher.error is not None:  # its members ended as failed: the run stops, as before
+                raise batcher.error
             for ep, traj in zip(eps, trajs, strict=True):
                 ep.reward = float(traj.reward)
         except BaseException as e:

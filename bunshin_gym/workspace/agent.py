@@ -1,67 +1,46 @@
 """The in-workspace agent: executes commands and file operations inside a workspace.
 
-This file runs in two places. Inside a workspace it is ``/.bunshin/agent.py``, started by
-the workspace's PID 1 with the image's own ``python3`` (standard library only, no
-bunshin_gym import). On the host, :mod:`bunshin_gym.workspace.client` imports its framing
-functions, so both sides speak one protocol.
+It runs inside a workspace only, as ``/.bunshin/agent.py``, started by the workspace's
+PID 1 with the image's own ``python3`` (standard library only, no bunshin_gym import). Its
+framing is ``/.bunshin/protocol.py`` (:mod:`bunshin_gym.workspace.protocol`, shipped next to
+it in the runtime layer), the same module the controller's
+:mod:`bunshin_gym.workspace.client` uses, so both sides speak one protocol.
 
 Protocol, over the unix socket ``/run/bunshin/agent.sock``: a message is a 4-byte
 big-endian header length, a JSON header, then the binary blobs whose lengths the header
 lists under ``"_blobs"``. Every request gets exactly one reply; a reply with ``"error"``
 reports a failure of the request, never of the agent. The controller may drop its
 connection at any time (it must, before a CRIU dump) and connect again later.
+
+Replies are bounded: a command's output streams are cut to ``max_output`` bytes each (head
+and tail, with a ``[... output cut: N bytes not shown ...]`` marker), and files are read or
+written only when regular (a FIFO, device or socket is refused) and read up to ``max_bytes``.
 """
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import pwd
+import selectors
 import signal
-import socket
 import socketserver
-import struct
+import stat
 import subprocess
 import sys
 import threading
 import time
 
-SOCKET_PATH = "/run/bunshin/agent.sock"
-MAX_HEADER = 1 << 20
-_LEN = struct.Struct("!I")
+# inside a workspace this file is /.bunshin/agent.py and protocol.py lies next to it
+from protocol import AGENT_SOCKET, ProtocolError, recv_msg, send_msg
 
-
-class ProtocolError(Exception):
-    """The peer sent something that is not a message, or closed mid-message."""
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ProtocolError("connection closed")
-        got += k
-    return bytes(buf)
-
-
-def send_msg(sock: socket.socket, header: dict, blobs: list[bytes] = ()) -> None:
-    header = dict(header, _blobs=[len(b) for b in blobs])
-    raw = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
-    for blob in blobs:
-        sock.sendall(blob)
-
-
-def recv_msg(sock: socket.socket) -> tuple[dict, list[bytes]]:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_HEADER:
-        raise ProtocolError(f"header of {n} bytes")
-    header = json.loads(_recv_exact(sock, n))
-    blobs = [_recv_exact(sock, size) for size in header.pop("_blobs", [])]
-    return header, blobs
+SOCKET_PATH = AGENT_SOCKET
+#: the controller is the only peer and is trusted: its requests (file writes) may be large
+MAX_REQUEST = 1 << 30
+#: defaults when a request names no cap (the controller always does)
+DEFAULT_MAX_OUTPUT = 1 << 20
+DEFAULT_MAX_READ = 64 << 20
+CHUNK = 1 << 16
 
 
 BASE_ENV = {
@@ -95,8 +74,97 @@ def _popen_args(req: dict) -> dict:
     )
 
 
+class CappedStream:
+    """One output stream kept within ``cap`` bytes: its head and its tail, and a count of what
+    was cut between them (shown as a marker), so a command printing 800 MB costs ``cap``."""
+
+    def __init__(self, cap: int):
+        self.head_cap = cap // 2
+        self.tail_cap = cap - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.cut = 0
+
+    def add(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        over = len(self.tail) - self.tail_cap
+        if over > 0:
+            del self.tail[:over]
+            self.cut += over
+
+    def value(self) -> bytes:
+        if not self.cut:
+            return bytes(self.head + self.tail)
+        return bytes(self.head) + f"\n[... output cut: {self.cut} bytes not shown ...]\n".encode() + bytes(self.tail)
+
+
+def _collect(proc: subprocess.Popen, stdin: bytes | None, timeout: float | None,
+             cap: int) -> tuple[bytes, bytes, bool]:
+    """Feed stdin, read both streams into :class:`CappedStream` until they close; on the
+    deadline kill the command's process group and drain for 2 s more."""
+    streams = {proc.stdout: CappedStream(cap), proc.stderr: CappedStream(cap)}
+    sel = selectors.DefaultSelector()
+    for pipe in streams:
+        os.set_blocking(pipe.fileno(), False)
+        sel.register(pipe, selectors.EVENT_READ)
+    pending = memoryview(stdin) if stdin else None
+    if proc.stdin is not None:
+        if pending:
+            os.set_blocking(proc.stdin.fileno(), False)
+            sel.register(proc.stdin, selectors.EVENT_WRITE)
+        else:
+            proc.stdin.close()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
+    try:
+        while sel.get_map():
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                if timed_out:
+                    break  # a process that left the group still holds the pipes: give up on the rest
+                timed_out = True
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                deadline = time.monotonic() + 2
+                continue
+            for key, _ in sel.select(wait):
+                f = key.fileobj
+                if f is proc.stdin:
+                    try:
+                        n = os.write(f.fileno(), pending[:CHUNK])
+                        pending = pending[n:]
+                    except BrokenPipeError:
+                        pending = None
+                    if not pending:
+                        sel.unregister(f)
+                        f.close()
+                    continue
+                data = os.read(f.fileno(), CHUNK)
+                if data:
+                    streams[f].add(data)
+                else:
+                    sel.unregister(f)
+    finally:
+        sel.close()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None and not f.closed:
+                f.close()
+    proc.wait()
+    out, err = streams.values()
+    return out.value(), err.value(), timed_out
+
+
 def op_exec(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
-    """Run a command to completion; a timeout kills that command's process group only."""
+    """Run a command to completion; a timeout kills that command's process group only. Each
+    output stream is cut to ``max_output`` bytes (head and tail kept, a marker between)."""
     stdin = blobs[0] if blobs else None
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -105,20 +173,7 @@ def op_exec(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
         stderr=subprocess.PIPE,
         **_popen_args(req),
     )
-    timed_out = False
-    try:
-        out, err = proc.communicate(stdin, timeout=req.get("timeout"))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            out, err = proc.communicate(timeout=2)
-        except subprocess.TimeoutExpired:
-            # a process that left the group still holds the pipes: give up on the rest
-            proc.stdout.close()
-            proc.stderr.close()
-            out, err = b"", b""
-            proc.wait()
+    out, err, timed_out = _collect(proc, stdin, req.get("timeout"), int(req.get("max_output") or DEFAULT_MAX_OUTPUT))
     return {
         "exit_code": proc.returncode,
         "timed_out": timed_out,
@@ -135,16 +190,52 @@ def op_spawn(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
     return {"pid": proc.pid}, []
 
 
+def _refuse_special(fd: int, path: str) -> os.stat_result:
+    """Only regular files are read or written: a FIFO would block for ever, a device or a
+    socket has no end (the descriptor was opened O_NONBLOCK, so opening did not block)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+        raise OSError(code, f"refused: {path} is {kind}, not a regular file", path)
+    return st
+
+
 def op_read_file(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
-    with open(req["path"], "rb") as f:
-        return {}, [f.read()]
+    """A regular file's bytes, at most ``max_bytes`` (a larger file, sparse or not, is refused
+    without reading; a file that grows while read is refused too)."""
+    path = req["path"]
+    cap = int(req.get("max_bytes") or DEFAULT_MAX_READ)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    st = _refuse_special(fd, path)
+    try:
+        if st.st_size > cap:
+            raise OSError(errno.EFBIG, f"refused: {path} is {st.st_size} bytes, over the cap of {cap} bytes", path)
+        # /proc files report size 0, and a file may grow while read: the read itself is bounded
+        # (the first read asks for the whole file; procfs refuses one read of the whole cap)
+        data = bytearray()
+        step = max(st.st_size + 1, 4096)
+        while chunk := os.read(fd, min(step, cap + 1 - len(data))):
+            data += chunk
+            step = CHUNK
+            if len(data) > cap:
+                raise OSError(errno.EFBIG, f"refused: {path} is over the cap of {cap} bytes", path)
+    finally:
+        os.close(fd)
+    return {}, [bytes(data)]
 
 
 def op_write_file(req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
     path = req["path"]
     if req.get("mkdirs"):
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, req.get("mode", 0o644))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, req.get("mode", 0o644))
+    _refuse_special(fd, path)
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
     with os.fdopen(fd, "wb") as f:
         f.write(blobs[0])
     if req.get("owner"):
@@ -177,41 +268,12 @@ def _reap_spawned() -> None:
                 _children.discard(proc)
 
 
-def serve_unix(path: str, handle, *, mode: int = 0o600, backlog: int = 4, name: str = "server") -> None:
-    """Serve one connection at a time on a unix socket, each request answered by
-    ``handle(req, blobs) -> (reply, blobs)``: the loop of the env daemons (the desktop server,
-    the web driver) that import this file's framing from ``/.bunshin``."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    srv.bind(path)  # bound at its final name: CRIU re-binds a restored socket at the name it was bound to
-    os.chmod(path, mode)
-    srv.listen(backlog)
-    print(f"{name} {os.getpid()} on {path}", file=sys.stderr, flush=True)
-    while True:
-        conn, _ = srv.accept()
-        with conn:
-            while True:
-                try:
-                    req, blobs = recv_msg(conn)
-                except (ProtocolError, OSError, ValueError):
-                    break
-                reply, out = handle(req, blobs)
-                try:
-                    send_msg(conn, reply, out)
-                except OSError:
-                    break
-
-
 class Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         while True:
             try:
-                req, blobs = recv_msg(self.request)
-            except (ProtocolError, ConnectionError, ValueError):
+                req, blobs = recv_msg(self.request, max_blobs=MAX_REQUEST)
+            except (ProtocolError, OSError, ValueError):
                 return
             op = OPS.get(req.get("op"))
             try:

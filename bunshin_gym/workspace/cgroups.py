@@ -1,7 +1,10 @@
-"""Per-workspace cgroups: memory accounting, the freezer, and a handle on every process.
+"""Per-workspace cgroups: memory accounting and limit, pids limit, the freezer, and a handle
+on every process.
 
 Works with cgroup v2 (one ``bunshin/<id>`` group in the unified hierarchy) and with the
-v1 hybrid layout (``memory`` and ``freezer`` controllers, one ``bunshin/<id>`` each).
+v1 hybrid layout (``memory``, ``freezer`` and ``pids`` controllers, one ``bunshin/<id>``
+each). The limits (:class:`~bunshin_gym.config.Limits`) are written when the group is
+created, before any process joins it: a workspace never runs unlimited.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+from bunshin_gym.config import Limits
 from bunshin_gym.workspace.errors import WorkspaceError
 
 CGROOT = Path(os.environ.get("BUNSHIN_CGROUP_ROOT", "/sys/fs/cgroup"))
@@ -22,10 +26,28 @@ def unified() -> bool:
     return (CGROOT / "cgroup.controllers").exists()
 
 
+#: v1 controllers a workspace gets a group in; the order is fixed: dirs[0] is memory,
+#: dirs[1] the freezer (pids and devices are optional: a host without them runs without a
+#: pids limit or a device allow-list)
+V1_CONTROLLERS = ("memory", "freezer", "pids", "devices")
+V1_OPTIONAL = ("pids", "devices")
+
+#: the devices a workspace may open or create (cgroup v1 devices controller; "c MAJ:MIN
+#: ACCESS"), all others are refused: its own /dev (null, zero, full, random, urandom, tty,
+#: ptmx and its pts), the overlay's whiteouts (0:0), and /dev/userfaultfd for CRIU restoring a
+#: share clone inside the group (the workspace has no such node and cannot make one)
+ALLOWED_DEVICES = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm", "c 5:0 rwm", "c 5:2 rwm",
+                   "c 136:* rwm", "c 0:0 m", "c 10:257 rw")
+
+
+def _v1_controllers() -> tuple[str, ...]:
+    return tuple(c for c in V1_CONTROLLERS if c not in V1_OPTIONAL or (CGROOT / c).is_dir())
+
+
 def _dirs(name: str) -> list[Path]:
     if unified():
         return [CGROOT / PARENT / name]
-    return [CGROOT / ctl / PARENT / name for ctl in ("memory", "freezer")]
+    return [CGROOT / ctl / PARENT / name for ctl in _v1_controllers()]
 
 
 class Cgroup:
@@ -36,17 +58,83 @@ class Cgroup:
         self.dirs = _dirs(name)
 
     @classmethod
-    def create(cls, name: str) -> Cgroup:
+    def create(cls, name: str, limits: Limits | None = None) -> Cgroup:
+        """Make the group(s) and write the limits (default: :meth:`Limits.from_env`)."""
         cg = cls(name)
+        limits = limits or Limits.from_env()
         if unified():
             parent = CGROOT / PARENT
             parent.mkdir(exist_ok=True)
-            # delegate the memory controller to the workspaces below us
-            (CGROOT / "cgroup.subtree_control").write_text("+memory")
-            (parent / "cgroup.subtree_control").write_text("+memory")
+            # delegate the memory and pids controllers to the workspaces below us
+            for d in (CGROOT, parent):
+                (d / "cgroup.subtree_control").write_text("+memory +pids")
         for d in cg.dirs:
             d.mkdir(parents=True, exist_ok=False)
+        try:
+            cg.set_limits(limits)
+            cg._allow_devices()
+        except BaseException:
+            cg.remove()
+            raise
         return cg
+
+    def set_limits(self, limits: Limits) -> None:
+        """Write the memory and pids limits (0 = unlimited)."""
+        mem = self.dirs[0]
+        pids = self._pids_dir()
+        if unified():
+            (mem / "memory.max").write_text(str(limits.memory) if limits.memory else "max")
+            # no swap: a workspace at its limit is OOM-killed at once instead of thrashing the host
+            if (mem / "memory.swap.max").exists():
+                (mem / "memory.swap.max").write_text("0" if limits.memory else "max")
+        else:
+            (mem / "memory.limit_in_bytes").write_text(str(limits.memory) if limits.memory else "-1")
+            if (mem / "memory.memsw.limit_in_bytes").exists():  # swap accounting on: cap memory+swap too
+                (mem / "memory.memsw.limit_in_bytes").write_text(str(limits.memory) if limits.memory else "-1")
+        if pids is not None:
+            (pids / "pids.max").write_text(str(limits.pids) if limits.pids else "max")
+
+    def _pids_dir(self) -> Path | None:
+        if unified():
+            return self.dirs[0]
+        return self._v1_dir("pids")
+
+    def _v1_dir(self, controller: str) -> Path | None:
+        found = [d for d in self.dirs if d.parts[-3] == controller]
+        return found[0] if found else None
+
+    def _allow_devices(self) -> None:
+        """Deny every device but :data:`ALLOWED_DEVICES` (cgroup v1; on v2 the device rules are
+        a BPF program, and the workspace's user namespace, with no CAP_MKNOD and only bound
+        host nodes in its /dev, is what keeps it from devices there)."""
+        d = None if unified() else self._v1_dir("devices")
+        if d is None:
+            return
+        (d / "devices.deny").write_text("a")
+        for rule in ALLOWED_DEVICES:
+            (d / "devices.allow").write_text(rule)
+
+    def limits(self) -> dict[str, int]:
+        """The limits in force (bytes, processes; 0 = unlimited)."""
+        mem = self.dirs[0]
+        raw = (mem / ("memory.max" if unified() else "memory.limit_in_bytes")).read_text().strip()
+        memory = 0 if raw == "max" or int(raw) >= 1 << 62 else int(raw)
+        pids_dir = self._pids_dir()
+        raw = (pids_dir / "pids.max").read_text().strip() if pids_dir is not None else "max"
+        return {"memory": memory, "pids": 0 if raw == "max" else int(raw)}
+
+    def limit_events(self) -> dict[str, int]:
+        """How often the workspace hit a limit since its group was made: ``oom_kill`` (processes
+        the kernel killed at the memory limit) and ``pids_max`` (forks refused at the pids limit).
+        """
+        mem = self.dirs[0]
+        text = (mem / ("memory.events" if unified() else "memory.oom_control")).read_text()
+        oom = _field(text, "oom_kill")
+        pids_dir = self._pids_dir()
+        refused = 0
+        if pids_dir is not None and (pids_dir / "pids.events").exists():
+            refused = _field((pids_dir / "pids.events").read_text(), "max")
+        return {"oom_kill": oom, "pids_max": refused}
 
     def exists(self) -> bool:
         return any(d.exists() for d in self.dirs)
@@ -140,10 +228,19 @@ class Cgroup:
                     time.sleep(0.005)
 
 
+def _field(text: str, key: str) -> int:
+    """The value of ``key N`` in a flat-keyed cgroup file (0 when absent)."""
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
 def list_names() -> set[str]:
     """Names of all workspace cgroups present on the host."""
     names: set[str] = set()
-    roots = [CGROOT / PARENT] if unified() else [CGROOT / c / PARENT for c in ("memory", "freezer")]
+    roots = [CGROOT / PARENT] if unified() else [CGROOT / c / PARENT for c in _v1_controllers()]
     for root in roots:
         if root.exists():
             names.update(p.name for p in root.iterdir() if p.is_dir())

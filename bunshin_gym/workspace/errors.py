@@ -26,6 +26,13 @@ class AgentError(WorkspaceError):
         self.errno = errno
 
 
+class ChannelError(WorkspaceError):
+    """A server inside the workspace (the agent, the desktop input server, the browser driver,
+    the X server) could not be reached, did not answer within the request's time, or sent a
+    reply over the size cap. The request failed; the controller is unharmed and reconnects
+    on the next request."""
+
+
 class SetupError(WorkspaceError):
     """A host prerequisite is missing; the message says which command fixes it."""
 

@@ -238,7 +238,7 @@ def _lock(p: Paths):
 def flatten_snapshot(snap: Snapshot) -> dict:
     """Flatten an existing snapshot in place (see :meth:`Snapshot.flatten`). Idempotent; clones
     restored before keep the files they map, and keep those snapshots in use (stale_clones)."""
-    from bunshin_gym.workspace import snapshot
+    from bunshin_gym.workspace import integrity, snapshot
 
     p = snap._p
     with _lock(p):
@@ -250,6 +250,8 @@ def flatten_snapshot(snap: Snapshot) -> dict:
         info["reason"] = "on demand"
         meta.update(ref_depth=0, refs=[], flattened=info)
         _update_uffd_copy(snap, p)
+        if "checksums" in meta:  # the images were rewritten: their sums too
+            meta["checksums"] = integrity.checksums(snap.criu_dir)
         snapshot._write_meta(snap.path, meta)
         snap.meta = meta
         return info

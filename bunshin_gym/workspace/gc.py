@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import cgroups, kmod, memory, pool, records, uffd
+from bunshin_gym.workspace import cgroups, dumping, kmod, memory, pool, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.images import build_lock
 from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
 from bunshin_gym.workspace.workspace import reclaim
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -20,6 +24,7 @@ class GcReport:
     cgroups: list[str] = field(default_factory=list)
     partial_images: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
+    thawed: list[str] = field(default_factory=list)  # sources a dead controller's dump left frozen
     caches: list[str] = field(default_factory=list)
 
     def total(self) -> int:
@@ -36,7 +41,8 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     for rec in records.all_records(p):
         if kmod.is_holder(rec) and not all_workspaces:
             holders.append(rec)  # after the clones: a holder goes with the last kmod clone it serves
-        elif all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()):
+        elif all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()) \
+                or rec.abandoned():  # a half-restored clone (detached too) whose maker was killed
             reclaim(rec, p)
             rep.workspaces.append(rec.id)
     for rec in holders:
@@ -47,10 +53,11 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         else:
             rep.workspaces += kmod.close_holders(snap_id, p, unless_used=True)
     # a record is written before its subvolume and cgroup, so reading records after listing
-    # them never sweeps a workspace that is being created
+    # them never sweeps a workspace that is being created (nor one a rollback moved into a
+    # subvolume and cgroup named after the restore)
     subvols = sorted(p.workspaces.iterdir()) if pool.is_mounted(p.pool) else []
     cgs = cgroups.list_names()
-    known = records.all_ids(p)
+    known = records.all_names(p)
     for sub in subvols:
         if sub.name not in known:
             pool.delete_subvolume(sub)
@@ -61,7 +68,10 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         cg.remove()
         rep.cgroups.append(name)
     if pool.is_mounted(p.pool):
-        rep.snapshots = _sweep_snapshots(p)
+        rep.snapshots = _sweep_snapshots(p, rep.thawed)
+        cleared = pool.clear_stale_qgroups(p.pool)  # quota groups of subvolumes deleted since
+        if cleared:
+            log.info("removed %d stale quota groups", cleared)
         with build_lock(p, blocking=False) as held:
             for tmp in sorted(p.images.glob(".build-*")) if held else []:
                 pool.delete_subvolume(tmp)
@@ -74,8 +84,11 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     return rep
 
 
-def _sweep_snapshots(p: Paths) -> list[str]:
-    """Ephemeral snapshots nobody uses, and snapshot directories a crash left incomplete."""
+def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
+    """Ephemeral snapshots nobody uses, and snapshot directories a crash left incomplete (their
+    source, frozen for the dump, is thawed first; ``thawed`` gets its id). A directory whose
+    dump is still running (its in-progress lock held by the controller or its CRIU) is never
+    touched."""
     swept = []
     live = {r.snapshot for r in records.all_records(p) if r.running() and not kmod.is_holder(r)}
     for d in sorted(p.snapshots.iterdir()):
@@ -85,6 +98,18 @@ def _sweep_snapshots(p: Paths) -> list[str]:
             age = time.time() - d.stat().st_mtime
         except FileNotFoundError:  # deleted by another process meanwhile
             continue
+        progress, ws_id = dumping.state(d)
+        if progress == "running":
+            continue
+        if progress == "abandoned":
+            if ws_id and _thaw_source(ws_id, p):
+                thawed.append(ws_id)
+            if (d / "meta.json").exists():  # complete; its maker died before dropping the marker
+                dumping.done(d)
+            else:
+                _remove_dir(d)
+                swept.append(d.name)
+                continue
         if not (d / "meta.json").exists():
             if age > 60:  # an older one is no snapshot in progress
                 _remove_dir(d)
@@ -99,3 +124,18 @@ def _sweep_snapshots(p: Paths) -> list[str]:
     memory.ksm_release("", live={r.id for r in records.all_records(p)})
     uffd.sweep(p)
     return swept
+
+
+def _thaw_source(ws_id: str, p: Paths) -> bool:
+    """Thaw a workspace a dead controller's dump left frozen (True if it was frozen)."""
+    rec = records.load(ws_id, p)
+    if rec is None or not rec.running():
+        return False
+    cg = Cgroup(rec.cgroup)
+    try:
+        was_frozen = cg.is_frozen()  # FREEZING (a freeze cut short) is thawed too
+        cg.thaw()
+    except (OSError, WorkspaceError) as e:
+        log.warning("gc: cannot thaw workspace %s, left frozen by an interrupted snapshot: %s", ws_id, e)
+        return False
+    return was_frozen

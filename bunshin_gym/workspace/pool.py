@@ -2,16 +2,41 @@
 
 Every image, workspace upper layer and snapshot is a btrfs subvolume, so a copy is a
 constant-time snapshot and a delete reclaims exactly what that layer wrote.
+
+Disk quotas: each workspace's subvolume gets a limit in btrfs *simple quotas* (squota,
+Linux 6.7+), which charge an extent to the subvolume that wrote it. Full qgroups were
+measured on this host first (a 100 MB + 2000-file subvolume, 20 read-only snapshots each
+after writing 1 MB): the snapshot took 30 ms median instead of 16 ms, since every
+snapshot commits and re-accounts shared extents; under simple quotas it took 13.5 ms, the
+same as without quotas (the snapshot is in every fork's frozen time). Simple quotas also
+give the semantics wanted here: a clone is charged only for what it writes after its
+snapshot, never for the files it shares with it, and a snapshot of a workspace is charged
+nothing. Debian 12's btrfs-progs (6.2) cannot enable them, so the ioctls are called here.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import logging
 import os
+import struct
 import subprocess
+import uuid
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
 from bunshin_gym.workspace.errors import SetupError, WorkspaceError
+
+log = logging.getLogger(__name__)
+
+# btrfs ioctls (linux/btrfs.h)
+_IOC_FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args): 1024 bytes
+_IOC_INO_LOOKUP = 0xD0009412  # _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args): 4096 bytes
+_IOC_QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args): cmd, status
+_IOC_QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args): 48 bytes
+_QUOTA_CTL_ENABLE_SIMPLE = 4
+_LIMIT_MAX_RFER = 1
 
 
 def _run(*argv: str) -> str:
@@ -42,6 +67,10 @@ def ensure_pool(p: Paths | None = None, log=print) -> Path:
     _run("mount", "-o", "loop,noatime,user_subvol_rm_allowed", str(p.pool_file), str(p.pool))
     for sub in (p.images, p.workspaces, p.snapshots):
         sub.mkdir(exist_ok=True)
+    try:  # else the first workspace with a disk limit turns them on (and fails clearly there)
+        ensure_quota(p.pool)
+    except SetupError as e:
+        log(f"warning: {e}; workspaces will have no disk quota")
     return p.pool
 
 
@@ -94,3 +123,90 @@ def delete_subvolume(path: Path) -> None:
                 # deleted meanwhile by a concurrent reclaim (two gc runs, gc and close)
         elif sub.exists():
             _run("rm", "-rf", "--one-file-system", str(sub))
+
+
+# disk quotas ---------------------------------------------------------------------------
+def _ioctl(path: Path, request: int, arg: bytes) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        buf = bytearray(arg)
+        fcntl.ioctl(fd, request, buf)
+        return bytes(buf)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _fsid(pool_path: str) -> str:
+    return str(uuid.UUID(bytes=_ioctl(Path(pool_path), _IOC_FS_INFO, bytes(1024))[16:32]))
+
+
+def _qgroups(pool_path: Path) -> Path:
+    return Path("/sys/fs/btrfs") / _fsid(str(pool_path)) / "qgroups"
+
+
+def quota_mode(pool_path: Path) -> str | None:
+    """``squota`` or ``qgroup`` when quotas are on in the pool, else None."""
+    d = _qgroups(pool_path)
+    if not d.is_dir():
+        return None
+    try:
+        return (d / "mode").read_text().strip()
+    except FileNotFoundError:  # kernels before simple quotas only have full qgroups
+        return "qgroup"
+
+
+def ensure_quota(pool_path: Path) -> str:
+    """Turn simple quotas on in the pool if no quota mode is on yet; return the mode in force.
+
+    Full qgroups, if someone enabled them, are left on (limits work there too, at the
+    snapshot cost measured above).
+    """
+    mode = quota_mode(pool_path)
+    if mode:
+        return mode
+    try:
+        _ioctl(pool_path, _IOC_QUOTA_CTL, struct.pack("=QQ", _QUOTA_CTL_ENABLE_SIMPLE, 0))
+    except OSError as e:
+        raise SetupError(f"cannot enable btrfs simple quotas on {pool_path} (Linux 6.7+ needed): {e}") from e
+    log.info("enabled btrfs simple quotas on %s", pool_path)
+    return quota_mode(pool_path) or "squota"
+
+
+def subvolume_id(path: Path) -> int:
+    """The btrfs id of the subvolume ``path`` is the top of."""
+    return struct.unpack_from("=Q", _ioctl(path, _IOC_INO_LOOKUP, struct.pack("=QQ", 0, 256) + bytes(4080)))[0]
+
+
+def limit_subvolume(path: Path, max_bytes: int) -> None:
+    """Cap what a subvolume may hold under the pool's quota (0: no cap); writes past it fail
+    with EDQUOT inside the workspace, and nothing else in the pool is touched."""
+    if max_bytes:
+        ensure_quota(path.parent)
+    elif quota_mode(path.parent) is None:
+        return
+    # qgroupid 0: the subvolume of the descriptor; the kernel's "no limit" is all ones
+    _ioctl(path, _IOC_QGROUP_LIMIT, struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, max_bytes or (1 << 64) - 1, 0, 0, 0))
+
+
+def disk_usage(path: Path) -> tuple[int, int] | None:
+    """(bytes charged, limit; 0 = none) of a subvolume under the pool's quota; None if quotas
+    are off. Read from sysfs: no transaction, cheap enough for every step."""
+    try:
+        qg = _qgroups(path.parent) / f"0_{subvolume_id(path)}"
+        used = int((qg / "referenced").read_text())
+        limit = int((qg / "max_referenced").read_text()) if (qg / "max_referenced").exists() else 0
+    except (OSError, ValueError):
+        return None
+    return used, limit if limit < 1 << 63 else 0
+
+
+def clear_stale_qgroups(pool_path: Path) -> int:
+    """Remove the quota groups of deleted subvolumes (``bunshin gc``); returns how many went.
+
+    The kernel keeps a deleted subvolume's qgroup until asked; one whose extents are still
+    being freed (the cleaner runs every commit, ~30 s) is busy and goes in a later run."""
+    if quota_mode(pool_path) is None:
+        return 0
+    proc = subprocess.run(["btrfs", "qgroup", "clear-stale", str(pool_path)], capture_output=True, text=True)
+    return proc.stdout.count("Delete stale qgroup")

@@ -52,9 +52,17 @@ class Record:
     snapshot: str | None = None  # the snapshot it was restored from, if any
     userns_base: int | None = None  # host id of root inside (workspace/idmap.py); None: no user namespace
     extra: dict = field(default_factory=dict)
+    # the process starting or restoring it, until PID 1 is recorded: a detached workspace has no
+    # owner, so this is what tells ``gc`` that a half-made one (its maker killed) is abandoned
+    builder: int | None = None
+    builder_start: int | None = None
 
     def owner_alive(self) -> bool:
         return self.owner is None or process_alive(self.owner, self.owner_start)
+
+    def abandoned(self) -> bool:
+        """Not started yet (no PID 1 recorded) and its maker is gone: nobody will finish it."""
+        return self.pid1 is None and self.builder is not None and not process_alive(self.builder, self.builder_start)
 
     def running(self) -> bool:
         return process_alive(self.pid1, self.pid1_start)
@@ -89,6 +97,22 @@ def load(ws_id: str, p: Paths | None = None) -> Record | None:
 def all_ids(p: Paths | None = None) -> set[str]:
     """Ids of every record, readable or not: what ``gc`` must never sweep as an orphan."""
     return {f.stem for f in _dir(p).glob("*.json")}
+
+
+def made_by_me() -> dict[str, int | None]:
+    """``builder`` fields naming this process (for a record about to be started or restored)."""
+    me = os.getpid()
+    return {"builder": me, "builder_start": proc_start_time(me)}
+
+
+def all_names(p: Paths | None = None) -> set[str]:
+    """Every id, subvolume name and cgroup name a record holds (a rolled-back workspace runs in
+    a subvolume and cgroup named after the restore that replaced its processes): what ``gc``
+    must never sweep."""
+    names = all_ids(p)
+    for rec in all_records(p):
+        names |= {Path(rec.subvolume).name, rec.cgroup}
+    return names
 
 
 def remove(ws_id: str, p: Paths | None = None) -> None:

@@ -2,7 +2,8 @@
 
 A small directory laid as the top overlay lower layer of every workspace, so images need
 no rebuild when the agent changes: ``/.bunshin/init`` (PID 1 and launcher, compiled from
-``native/bunshin-init.c``), ``/.bunshin/agent.py`` and the ``/.snap`` mount point. It is
+``native/bunshin-init.c``), ``/.bunshin/agent.py`` with its framing ``/.bunshin/protocol.py``,
+and the ``/.snap`` mount point. It is
 keyed by the hash of its sources and built once.
 """
 
@@ -17,7 +18,10 @@ from bunshin_gym.config import Paths, paths
 from bunshin_gym.workspace.errors import SetupError
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native" / "bunshin-init.c", HERE / "agent.py"]
+SOURCES = [HERE / "native" / "bunshin-init.c", HERE / "agent.py", HERE / "protocol.py"]
+#: the Python files copied into ``/.bunshin`` (the agent imports protocol.py from there, and
+#: so do the env daemons: the desktop input server and the browser driver)
+SCRIPTS = SOURCES[1:]
 CFLAGS = ["-static", "-O2", "-Wall"]
 
 
@@ -45,7 +49,8 @@ def ensure_runtime(p: Paths | None = None) -> Path:
     )
     if proc.returncode != 0:
         raise SetupError(f"compiling {SOURCES[0]} failed:\n{proc.stderr}")
-    shutil.copy(SOURCES[1], tmp / ".bunshin" / "agent.py")
+    for script in SCRIPTS:
+        shutil.copy(script, tmp / ".bunshin" / script.name)
     tmp.rename(layer)
     return layer
 

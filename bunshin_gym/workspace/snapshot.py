@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -30,13 +31,27 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import delta, flatten, idmap, kmod, memory, pool, records, snapview, uffd
+from bunshin_gym.config import Limits, Paths, criu_env, paths
+from bunshin_gym.workspace import (
+    delta,
+    dumping,
+    flatten,
+    idmap,
+    integrity,
+    kmod,
+    memory,
+    pool,
+    records,
+    snapview,
+    uffd,
+)
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
+
+log = logging.getLogger(__name__)
 
 #: the default depth past which snapshot chains are flattened: a snapshot whose images would
 #: reference more ancestors' page files (``ref_depth``) takes those files over (see
@@ -100,6 +115,7 @@ class Snapshot:
         mode = memory.MemoryMode.parse(mode or self.mode)
         if mode is memory.MemoryMode.KMOD:
             kmod.check_available(self._p)  # before anything is made
+        verify(self)  # a damaged image is refused before anything is made
         me = os.getpid()
         recs = []
         for _ in range(n):
@@ -109,13 +125,16 @@ class Snapshot:
                 subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
                 snapshot=self.id, userns_base=self.meta.get("userns_base"), owner=None if detached else me,
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
-                extra={kmod.HOLDER_KEY: self.id} if _holder else {},
+                **records.made_by_me(),  # gc reclaims a half-restored clone once we are gone
+                # clones keep the snapshot's limits (older snapshots: the defaults)
+                extra={"limits": self.meta.get("limits") or Limits.from_env().as_dict(),
+                       **({kmod.HOLDER_KEY: self.id} if _holder else {})},
             ))
         clones = [Workspace(rec, self._p) for rec in recs]
         try:
             for rec in recs:
                 records.save(rec, self._p)
-                Cgroup.create(rec.cgroup)
+                Cgroup.create(rec.cgroup, Limits.parse(rec.extra["limits"]))
             holder = _kmod_holder(self, mode)  # once the clones' records keep it from `bunshin gc`
             procs = [_start_restore(self, rec, mode, self._p, holder) for rec in recs]
             failed = []  # wait for every restore, so none is left unreaped and unreported
@@ -210,71 +229,171 @@ class SnapshotStore:
         return out
 
 
+def verify(snap: Snapshot) -> None:
+    """Refuse (:class:`SnapshotError`, naming the snapshot and the image) a snapshot whose
+    images, or those of a snapshot its images need (parent chain, referenced page files), are
+    missing, truncated or altered. Cheap after the first call per process (integrity.py)."""
+    seen: set[str] = set()
+    todo = [snap]
+    while todo:
+        s = todo.pop()
+        if s.id in seen:
+            continue
+        seen.add(s.id)
+        integrity.verify_dir(s.id, s.criu_dir, s.meta.get("checksums"))
+        for need in sorted({s.parent, *s.meta.get("refs", [])} - {None}):
+            if flatten.needs(s, need):
+                try:
+                    todo.append(SnapshotStore(s._p).get(need))
+                except SnapshotError as e:
+                    raise SnapshotError(f"snapshot {snap.id} needs snapshot {need}, which is unusable: {e}") from e
+
+
 # taking a snapshot ---------------------------------------------------------------------
 def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) -> Snapshot:
     """Snapshot a live workspace: freeze, snapshot the upper layer, dump, thaw.
 
-    The source keeps running unchanged; on any failure it is thawed and the partial
-    snapshot removed, and the error names the CRIU log (kept under ``$BUNSHIN_RUN/logs``).
+    The source keeps running unchanged; on any failure (the freeze included) it is thawed and
+    the partial snapshot removed, and the error names the CRIU log (kept under
+    ``$BUNSHIN_RUN/logs``). A dump that fails only because a task could not be seized (a task
+    frozen in uninterruptible sleep) is tried again, up to ``BUNSHIN_DUMP_TRIES`` times.
     """
     p = ws._p
     rec = ws._rec
     parent = SnapshotStore(p).get(rec.snapshot) if rec.snapshot else None
     snap_id = f"snap-{secrets.token_hex(4)}"
     path = p.snapshots / snap_id
-    (path / "criu").mkdir(parents=True)
+    path.mkdir(parents=True)
     times: dict[str, float] = {}
-    cg = ws.cgroup
-    # a share clone's pages it never wrote stay in the parent's images (delta.dump_delta)
-    delta_args, delta_env = delta.dump_delta(rec, parent.id if parent else None, p)
-    dump_env = dict(os.environ, **criu_env(p), **uffd.dump_env(p), **delta_env)
     try:
-        ws._quiesce_agent()
-        t0 = time.perf_counter()
-        cg.freeze()
-        times["freeze_ms"] = _ms(t0)
-        try:
+        # until meta.json is written the directory is marked in progress, locked by us and by
+        # CRIU: `bunshin gc` never sweeps it while either runs, and thaws the source after both
+        with dumping.in_progress(path, ws.id) as lock_fd:
+            _make_images_dir(path / "criu")
+            # a share clone's pages it never wrote stay in the parent's images (delta.dump_delta)
+            delta_args, delta_env = delta.dump_delta(rec, parent.id if parent else None, p)
+            dump_env = dict(os.environ, **criu_env(p), **uffd.dump_env(p), **delta_env)
+            ws._quiesce_agent()
+            tries = dump_tries()
+            for attempt in range(1, tries + 1):
+                proc = _freeze_and_dump(ws, path, times, dump_env, delta_args, lock_fd)
+                if proc.returncode == 0:
+                    break
+                log_path = _keep_log(p, path / "criu" / "dump.log", f"{snap_id}-dump.log")
+                if attempt < tries and _seize_failed(log_path):
+                    log.warning("snapshot %s of %s: CRIU could not seize a task (%s), try %d of %d; log: %s",
+                                snap_id, ws.id, _last_error(log_path), attempt, tries, log_path)
+                    _clear_attempt(path)
+                    continue
+                raise ForkError(f"CRIU dump of workspace {ws.id} failed ({_exit_text(proc.returncode)}): "
+                                f"{_last_error(log_path)}; log: {log_path}")
+            times["dump_tries"] = attempt
+            meta = {
+                "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
+                "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
+                "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+                "userns_base": rec.userns_base,  # the id map its processes and files have
+                "limits": rec.extra.get("limits"),  # inherited by every clone
+                "ref_depth": _ref_depth(rec, parent),
+                "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
+            }
+            flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
+            snap = Snapshot(path, meta, p)
+            meta["criu_bytes"] = snap.size()
             t = time.perf_counter()
-            pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
-            times["files_ms"] = _ms(t)
-            t = time.perf_counter()
-            freezer = cg.dirs[0] if unified() else cg.dirs[1]
-            proc = subprocess.run(
-                [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
-                 *(_device_mounts(dump=True) if rec.userns_base is not None else []),
-                 "--network-lock", network_lock(rec.pid1),
-                 "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
-                capture_output=True, text=True, env=dump_env,
-            )
-            times["dump_ms"] = _ms(t)
-        finally:
-            t = time.perf_counter()
-            cg.thaw()
-            times["thaw_ms"] = _ms(t)
-            times["frozen_ms"] = _ms(t0)
-        if proc.returncode != 0:
-            log = _keep_log(p, path / "criu" / "dump.log", f"{snap_id}-dump.log")
-            raise ForkError(f"CRIU dump of workspace {ws.id} failed (exit {proc.returncode}): "
-                            f"{_last_error(log)}; log: {log}")
+            meta["checksums"] = integrity.checksums(path / "criu")  # after flatten: the final images
+            times["checksum_ms"] = _ms(t)
+            _write_meta(path, meta)
+            dumping.done(path)
     except BaseException:
         _remove_dir(path)
         raise
-    meta = {
-        "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
-        "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
-        "memory_mode": rec.memory_mode, "userns_base": rec.userns_base, "depth": parent.depth + 1 if parent else 0,
-        "ref_depth": _ref_depth(rec, parent),
-        "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
-    }
-    try:
-        flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
-    except BaseException:
-        _remove_dir(path)
-        raise
-    snap = Snapshot(path, meta, p)
-    meta["criu_bytes"] = snap.size()
-    _write_meta(path, meta)
     return snap
+
+
+def dump_tries() -> int:
+    """How often a dump that failed to seize a task is tried (``BUNSHIN_DUMP_TRIES``, default 4)."""
+    return max(1, int(os.environ.get("BUNSHIN_DUMP_TRIES", "4")))
+
+
+def _make_images_dir(criu_dir: Path) -> None:
+    """Make the directory CRIU writes the images to (a test puts a small filesystem here)."""
+    criu_dir.mkdir()
+
+
+def _freeze_and_dump(ws: Workspace, path: Path, times: dict[str, float], env: dict, delta_args: list[str],
+                     lock_fd: int) -> subprocess.CompletedProcess:
+    """Freeze the workspace, snapshot its files and dump it; it is thawed whatever happens
+    (a freeze that times out or fails included)."""
+    p, rec, cg = ws._p, ws._rec, ws.cgroup
+    t0 = time.perf_counter()
+    try:
+        _freeze_seizable(cg, ws.id)
+        times["freeze_ms"] = _ms(t0)
+        t = time.perf_counter()
+        pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
+        times["files_ms"] = _ms(t)
+        t = time.perf_counter()
+        freezer = cg.dirs[0] if unified() else cg.dirs[1]
+        dump_env = env
+        proc = subprocess.run(
+            [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
+             *(_device_mounts(dump=True) if rec.userns_base is not None else []),
+             "--network-lock", network_lock(rec.pid1),
+             "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
+            capture_output=True, text=True, env=dump_env,
+            pass_fds=(lock_fd,),  # CRIU holds the in-progress lock too: outliving us, it still counts
+        )
+        times["dump_ms"] = _ms(t)
+    finally:
+        t = time.perf_counter()
+        cg.thaw()
+        times["thaw_ms"] = _ms(t)
+        times["frozen_ms"] = _ms(t0)
+    return proc
+
+
+#: how often the freeze is redone when a task is frozen where CRIU cannot stop it
+_REFREEZES = 100
+
+
+def _freeze_seizable(cg: Cgroup, ws_id: str) -> None:
+    """Freeze, and if a task is frozen where CRIU's seize cannot stop it (a vfork parent
+    waiting for its child, state D; see :mod:`bunshin_gym.workspace.dumping`), thaw for a
+    moment so the child can exec and freeze again."""
+    for i in range(_REFREEZES):
+        cg.freeze()
+        stuck = dumping.unseizable(cg.pids())
+        if not stuck:
+            return
+        log.debug("%s: frozen with unseizable tasks %s; thawing a moment (try %d)", ws_id, stuck, i + 1)
+        cg.thaw()
+        time.sleep(min(0.001 * (i + 1), 0.02))
+    log.warning("%s: tasks %s stay unseizable after %d freezes; dumping anyway", ws_id, stuck, _REFREEZES)
+
+
+#: CRIU log lines of a dump that failed to seize a task: another freeze and dump can succeed
+_SEIZE_ERRORS = ("Unseizable non-zombie", "Timeout reached", "task not stopped after seize",
+                 "found while seizing", "Unable to freeze cgroup", "Task pid reused while suspending")
+
+
+def _seize_failed(log_path: Path) -> bool:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return False
+    return any(e in text for e in _SEIZE_ERRORS)
+
+
+def _clear_attempt(path: Path) -> None:
+    """Remove what a failed dump attempt wrote (images, the files snapshot) for the next one."""
+    if (path / "fs").exists():
+        pool.delete_subvolume(path / "fs")
+    for f in (path / "criu").iterdir():
+        if f.is_dir() and not f.is_symlink():
+            shutil.rmtree(f)
+        else:
+            f.unlink()
 
 
 def _ref_depth(rec: records.Record, parent: Snapshot | None) -> int:
@@ -301,6 +420,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
     """Lay the clone's files and start ``criu restore`` for it (returns at once)."""
     sub = Path(rec.subvolume)
     pool.snapshot_subvolume(snap.fs, sub)
+    pool.limit_subvolume(sub, Limits.parse(rec.extra.get("limits")).disk)  # charged for what it writes
     logs = p.run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     layer = rec.layer
@@ -345,7 +465,7 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
         rec.extra["kmod"] = served
     if proc.returncode != 0:
         raise ForkError(f"CRIU restore of {rec.id} from snapshot {rec.snapshot} failed "
-                        f"(exit {proc.returncode}): {_last_error(log) or err.strip()}; log: {log}")
+                        f"({_exit_text(proc.returncode)}): {_last_error(log) or err.strip()}; log: {log}")
     pidfile = logs / f"{rec.id}.pid"
     rec.pid1 = int(pidfile.read_text())
     rec.pid1_start = records.proc_start_time(rec.pid1)
@@ -354,20 +474,70 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
     records.save(rec, p)
 
 
-def restore_in_place(ws: Workspace, snap: Snapshot) -> None:
-    """Rollback: replace a workspace's processes and files with a snapshot's, same handle."""
+def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0) -> None:
+    """Rollback: replace a workspace's processes and files with a snapshot's, same handle and id.
+
+    Nothing of the workspace is touched until the snapshot has been restored and its agent
+    answers: the snapshot is verified, restored beside the workspace (a subvolume and cgroup
+    of its own, under a temporary record), and only then swapped in; the old processes and
+    files are reclaimed after. A rollback that fails (a deleted or corrupt snapshot, a full
+    disk, CRIU) leaves the workspace running as it was.
+    """
+    from bunshin_gym.workspace.client import AgentClient
+    from bunshin_gym.workspace.workspace import reclaim
+
     rec, p = ws._rec, ws._p
     if snap.meta["image_path"] != rec.image_path:
         raise SnapshotError(f"snapshot {snap.id} is of image {snap.image}, workspace {ws.id} runs {rec.image}")
+    verify(snap)
     mode = memory.MemoryMode(rec.memory_mode)
-    holder = _kmod_holder(snap, mode)  # before the workspace is stopped: a SetupError loses nothing
+    holder = _kmod_holder(snap, mode)
+    me = os.getpid()
+    new_id = f"ws-{secrets.token_hex(4)}"
+    new = records.Record(
+        id=new_id, image=rec.image, image_path=rec.image_path, layer=snap.meta["layer"],
+        subvolume=str(p.workspaces / new_id), cgroup=new_id, memory_mode=rec.memory_mode, snapshot=snap.id,
+        userns_base=snap.meta.get("userns_base"), owner=me, owner_start=records.proc_start_time(me),
+        created=time.time(), **records.made_by_me(),
+        extra={k: v for k, v in rec.extra.items() if k == "limits"},
+    )
+    try:
+        records.save(new, p)
+        Cgroup.create(new.cgroup, Limits.parse(new.extra.get("limits")))
+        _finish_restore(new, _start_restore(snap, new, mode, p, holder), p)
+        AgentClient(new.pid1, ws.id).wait_ready(ready_timeout)  # the client is dropped: nothing to close
+    except BaseException:
+        reclaim(new, p)
+        raise
+    _swap_in(ws, new)
+
+
+#: record fields that belong to the running processes and files (swapped by a rollback)
+_RUN_FIELDS = ("pid1", "pid1_start", "subvolume", "cgroup", "layer", "snapshot", "userns_base")
+#: ``extra`` keys that belong to the running processes (their uffd monitor, kmod sharing)
+_RUN_EXTRA = ("uffd", "kmod")
+
+
+def _swap_in(ws: Workspace, new: records.Record) -> None:
+    """Make the workspace's record name ``new``'s processes and files, and ``new``'s record the
+    old ones (then reclaimed). The temporary record is rewritten first: whatever instant a
+    crash comes, every process, subvolume and cgroup is named by some record or swept by gc."""
+    from bunshin_gym.workspace.workspace import reclaim
+
+    rec, p = ws._rec, ws._p
+    old = records.Record(**{**vars(new), **{f: getattr(rec, f) for f in _RUN_FIELDS},
+                            "extra": {k: v for k, v in rec.extra.items() if k in _RUN_EXTRA}})
     ws.disconnect()
-    stop_processes(rec)
-    pool.delete_subvolume(Path(rec.subvolume))
-    rec.snapshot, rec.pid1, rec.pid1_start, rec.layer = snap.id, None, None, snap.meta["layer"]
-    rec.userns_base = snap.meta.get("userns_base")
+    records.save(old, p)
+    for f in _RUN_FIELDS:
+        setattr(rec, f, getattr(new, f))
+    rec.extra = {**{k: v for k, v in rec.extra.items() if k not in _RUN_EXTRA},
+                 **{k: v for k, v in new.extra.items() if k in _RUN_EXTRA}}
     records.save(rec, p)
-    _finish_restore(rec, _start_restore(snap, rec, mode, p, holder), p)
+    ws._cgroup = Cgroup(rec.cgroup)
+    if memory.uses_ksm(memory.MemoryMode(rec.memory_mode)):
+        memory.ksm_acquire(rec.id)  # the restore registered the temporary id, released with `old`
+    reclaim(old, p)
 
 
 def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
@@ -440,6 +610,15 @@ def dump_verbosity() -> int:
     return int(os.environ.get("BUNSHIN_CRIU_DUMP_VERBOSITY", "3"))
 
 
+def _exit_text(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 
@@ -452,9 +631,13 @@ def _remove_dir(path: Path) -> None:
 
 
 def _write_meta(path: Path, meta: dict) -> None:
+    """Write meta.json atomically: a failed write (a full disk) leaves the old one, or none."""
     tmp = path / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, path / "meta.json")
+    try:
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path / "meta.json")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _keep_log(p: Paths, log: Path, name: str) -> Path:

@@ -219,9 +219,12 @@ def release_images(p: Paths | None = None, snap_id: str | None = None, *, force:
 
 # the monitor -----------------------------------------------------------------------------
 def _files(rec: records.Record, p: Paths) -> dict[str, Path]:
+    # named after the record the monitor was started for: a rollback moves a monitor (with
+    # its processes) from a temporary record to the workspace's, and the old one the other way
+    stem = rec.extra.get("uffd", {}).get("stem", rec.id)
     d = p.run / "uffd"
-    return {"sock": d / f"{rec.id}.sock", "state": d / f"{rec.id}.json", "report": d / f"{rec.id}.report",
-            "log": d / f"{rec.id}.log"}
+    return {"sock": d / f"{stem}.sock", "state": d / f"{stem}.json", "report": d / f"{stem}.report",
+            "log": d / f"{stem}.log"}
 
 
 def start(rec: records.Record, p: Paths | None = None) -> dict:
@@ -245,7 +248,7 @@ def start(rec: records.Record, p: Paths | None = None) -> dict:
         raise ForkError(f"{rec.id}: the uffd monitor did not start (exit {proc.returncode}); log: {f['log']}")
     guard, worker = int(line[1]), int(line[2])
     info = {"guard": guard, "guard_start": records.proc_start_time(guard), "worker": worker,
-            "worker_start": records.proc_start_time(worker), "sock": str(f["sock"])}
+            "worker_start": records.proc_start_time(worker), "sock": str(f["sock"]), "stem": rec.id}
     # the guard is our child only until we return: nobody waits for it later, so the host's
     # init (or subreaper) must reap it: detach it from this process's zombies
     _detach(proc)
@@ -389,11 +392,17 @@ def stats(ws_id: str, p: Paths | None = None) -> dict:
         return {}
 
 
+def _stems(recs: list[records.Record]) -> set[str]:
+    """Names monitor files of live records may have: their ids, and the stems of monitors a
+    rollback moved to them (see :func:`_files`)."""
+    return {r.id for r in recs} | {r.extra["uffd"]["stem"] for r in recs if "stem" in r.extra.get("uffd", {})}
+
+
 def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
     """Monitor files and image copies no record accounts for (tests check this stays empty)."""
     p = p or paths()
     recs = records.all_records(p)
-    ids = {r.id for r in recs}
+    ids = _stems(recs)
     d = p.run / "uffd"
     files = sorted(f.name for f in d.iterdir() if f.name.split(".")[0] not in ids
                    and not f.name.endswith(".log")) if d.exists() else []
@@ -407,7 +416,7 @@ def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
 def sweep(p: Paths | None = None) -> list[str]:
     """``bunshin gc``: remove monitor files of workspaces that no longer exist, and unused images."""
     p = p or paths()
-    ids = {r.id for r in records.all_records(p)}
+    ids = _stems(records.all_records(p))
     d = p.run / "uffd"
     gone = []
     for f in sorted(d.iterdir()) if d.exists() else []:

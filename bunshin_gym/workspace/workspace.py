@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Limits, Paths, paths
 from bunshin_gym.workspace import idmap, kmod, pool, records, snapshot, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
-from bunshin_gym.workspace.errors import SnapshotError, WorkspaceClosed, WorkspaceError
+from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
 from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
 from bunshin_gym.workspace.memstat import rollup
@@ -60,7 +60,8 @@ class Workspace:
     # life cycle ----------------------------------------------------------------------
     @classmethod
     def create(cls, image: str = "base", *, memory_mode: str = DEFAULT_MODE, detached: bool = False,
-               ready_timeout: float = 30.0, ws_id: str | None = None, hostname: str | None = None) -> Workspace:
+               ready_timeout: float = 30.0, ws_id: str | None = None, hostname: str | None = None,
+               limits: Limits | dict | None = None) -> Workspace:
         """Start a workspace from an image (which must be built: ``bunshin image build``).
 
         Args:
@@ -74,8 +75,12 @@ class Workspace:
             ws_id: the workspace id (default: a random ``ws-xxxxxxxx``).
             hostname: the workspace's host name (default: its id). Envs give a fixed one, so
                 that two workspaces of one task look the same to the agent.
+            limits: memory, pids and disk limits (a :class:`~bunshin_gym.config.Limits` or a
+                dict such as ``{"memory": "2G"}``; the rest from ``BUNSHIN_WS_*``, defaults
+                8G, 4096, 8G). Its snapshots carry them to every clone.
         """
         mode = MemoryMode.parse(memory_mode)
+        limits = Limits.parse(limits)
         p = pool.require_pool()
         image_path = ImageStore(p).get(image)
         layer = ensure_runtime(p)
@@ -89,6 +94,7 @@ class Workspace:
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
             owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
             created=time.time(), layer=str(layer), memory_mode=mode.value,
+            extra={"limits": limits.as_dict()},
         )
         ids = idmap.current()
         rec.userns_base = ids.base if ids else None
@@ -96,11 +102,12 @@ class Workspace:
         ws = cls(rec, p)
         try:
             pool.create_subvolume(sub)
+            pool.limit_subvolume(sub, limits.disk)
             for d in ("upper", "work", "root"):
                 (sub / d).mkdir()
             idmap.own_dirs(ids, sub / "upper", sub / "work")
             lower = idmap.lower_image(image_path, rec.userns_base)
-            cg = Cgroup.create(ws_id)
+            cg = Cgroup.create(ws_id, limits)
             proc = subprocess.run(
                 [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
                  str(sub / "upper"), str(sub / "work"), str(snapview.empty_view(p)), hostname or ws_id,
@@ -181,22 +188,59 @@ class Workspace:
     def cgroup(self) -> Cgroup:
         return self._cgroup
 
+    @property
+    def limits(self) -> Limits:
+        """The memory, pids and disk limits this workspace was started (or restored) with."""
+        return Limits.parse(self._rec.extra.get("limits"))
+
+    def limit_state(self) -> dict[str, int]:
+        """Counters to tell whether an action hit a limit (compare two readings with
+        :func:`limits_hit`): kernel OOM kills, refused forks, disk bytes charged and the cap."""
+        self._check_open()
+        state = dict(self._cgroup.limit_events())
+        usage = pool.disk_usage(Path(self._rec.subvolume))
+        state["disk_used"], state["disk_limit"] = usage or (0, 0)
+        return state
+
     def _check_open(self) -> None:
         if self._closed:
             raise WorkspaceClosed(f"workspace {self.id} is closed")
 
-    def _agent(self) -> AgentClient:
+    def _agent(self) -> _DeathReporting:
+        self.check()
+        if self._client is None:
+            raise WorkspaceError(f"workspace {self.id} has no agent")
+        return _DeathReporting(self, self._client)
+
+    def check(self) -> None:
+        """Raise :class:`WorkspaceClosed`, saying why, when the workspace can no longer be used:
+        closed, its processes killed (PID 1 gone), or its uffd monitor dead (the clone is then
+        stopped at once: it must not read stale memory). Envs call it before every step, since
+        some steps reach the workspace through their own channels (X, the browser driver)."""
         self._check_open()
         if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
             raise WorkspaceClosed(why)
-        if self._client is None:
-            raise WorkspaceError(f"workspace {self.id} has no agent")
-        return self._client
+        if self._rec.pid1 is not None and not self._rec.running():
+            raise WorkspaceClosed(self._died())
+
+    def _died(self) -> str:
+        return (f"workspace {self.id} is no longer running: its processes were killed (PID 1, host pid "
+                f"{self._rec.pid1}, is gone); close it")
+
+    def _death_while(self, op: str | None, error: WorkspaceError) -> WorkspaceClosed | None:
+        """After a request failed to reach the agent: WorkspaceClosed if the reason is that the
+        workspace died (killed mid-request, or its uffd monitor gone), else None. PID 1 dies a
+        moment after the agent when the whole workspace is killed: wait for it briefly."""
+        if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
+            return WorkspaceClosed(f"{why} (during {op}: {error})")
+        if self._rec.pid1 is None or not _wait_gone(self._rec.pid1, 0.2) or self._rec.running():
+            return None
+        return WorkspaceClosed(f"{self._died()} (during {op}: {error})")
 
     # commands and files --------------------------------------------------------------
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = 120.0, env: dict | None = None,
              cwd: str | None = None, user: str | None = None, stdin: bytes | None = None,
-             check: bool = False) -> ExecResult:
+             check: bool = False, max_output: int | None = None) -> ExecResult:
         """Run a command to completion inside the workspace.
 
         Args:
@@ -208,9 +252,12 @@ class Workspace:
             user: run as this user (default root).
             stdin: bytes fed to the command's standard input.
             check: raise :class:`WorkspaceError` on a non-zero exit or a timeout.
+            max_output: bytes kept of each output stream (default 1 MiB,
+                :data:`~bunshin_gym.workspace.client.MAX_OUTPUT`); past it the head and the
+                tail are kept with a ``[... output cut: N bytes not shown ...]`` marker between.
         """
         req = _command(cmd)
-        req.update(op="exec", timeout=timeout, env=env, cwd=cwd, user=user)
+        req.update(op="exec", timeout=timeout, env=env, cwd=cwd, user=user, max_output=max_output)
         reply, (out, err) = self._agent().request(req, [stdin] if stdin is not None else [])
         res = ExecResult(reply["exit_code"], out, err, reply["timed_out"], reply["duration"])
         if check and not res.ok:
@@ -329,6 +376,56 @@ class Workspace:
         return MemoryStats(pss=total["Pss"], rss=total["Rss"],
                            private=total["Private_Clean"] + total["Private_Dirty"],
                            processes=len(pids), cgroup=self._cgroup.memory_usage())
+
+
+#: what a command prints when a write failed for lack of space (EDQUOT, ENOSPC)
+_DISK_FULL_TEXT = (b"Disk quota exceeded", b"No space left on device")
+
+
+def limits_hit(before: dict[str, int], after: dict[str, int], limits: Limits, output: bytes = b"") -> list[str]:
+    """Sentences, for an observation, naming each limit a workspace hit between two
+    :meth:`Workspace.limit_state` readings (``output``: what the action printed)."""
+    notes = []
+    if (n := after["oom_kill"] - before["oom_kill"]) > 0:
+        notes.append(f"the workspace hit its memory limit ({_size(limits.memory)}): the kernel killed "
+                     f"{n} process{'es' if n > 1 else ''} (out of memory)")
+    if after["pids_max"] > before["pids_max"]:
+        notes.append(f"the workspace hit its process limit ({limits.pids} processes and threads): "
+                     "a fork was refused")
+    used, cap = after["disk_used"], after["disk_limit"]
+    # the kernel refuses a write that would pass the cap, so usage stops a little below it
+    if cap and (used >= cap - (4 << 20) or (any(t in output for t in _DISK_FULL_TEXT) and used >= cap * 0.9)):
+        notes.append(f"the workspace's disk quota is full ({_size(used)} of {_size(cap)} written): "
+                     "writes fail with 'Disk quota exceeded'; delete files to free space")
+    return notes
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
+class _DeathReporting:
+    """An agent client whose connection failures say so when the workspace died meanwhile:
+    :class:`WorkspaceClosed` (an error an env turns into an error observation), not a bare
+    connection error."""
+
+    def __init__(self, ws: Workspace, client: AgentClient):
+        self._ws = ws
+        self._client = client
+
+    def request(self, header: dict, blobs: Sequence[bytes] = (), **kw) -> tuple[dict, list[bytes]]:
+        try:
+            return self._client.request(header, blobs, **kw)
+        except AgentError:
+            raise  # it ran inside the workspace and failed there
+        except WorkspaceError as e:
+            closed = self._ws._death_while(header.get("op"), e)
+            if closed is not None:
+                raise closed from e
+            raise
 
 
 def _command(cmd: str | Sequence[str]) -> dict:

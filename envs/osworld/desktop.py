@@ -15,13 +15,13 @@ Example:
 from __future__ import annotations
 
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.workspace.agent import ProtocolError, recv_msg, send_msg
-from bunshin_gym.workspace.errors import WorkspaceError
+from bunshin_gym.workspace.errors import ChannelError, WorkspaceError
+from bunshin_gym.workspace.inroot import RootedPath
+from bunshin_gym.workspace.protocol import Client
 
 RUNTIME = Path(__file__).parent / "runtime"
 OPT = "/opt/bunshin"
@@ -47,8 +47,13 @@ DESKTOP_ENV = {
 DESKTOP_ENV.pop("NO_AT_BRIDGE")  # documented: it must NOT be set, or GTK apps hide from AT-SPI
 
 
-def sock_path(ws: Any, inner: str) -> str:
-    return f"/proc/{ws.pid}/root{inner}"
+#: cap on one input-server reply (the largest is the fallback screenshot: 4 bytes a pixel)
+MAX_REPLY = 64 << 20
+
+
+def sock_path(ws: Any, inner: str) -> RootedPath:
+    """``inner`` inside the workspace's root, resolved without following its symlinks."""
+    return RootedPath(ws.pid, inner)
 
 
 def _wait(pred, timeout: float, what: str, interval: float = 0.02) -> None:
@@ -95,7 +100,7 @@ def boot_desktop(ws: Any, width: int, height: int, terminal: bool = True, timeou
                        "-dpi", "96", "+extension", "RANDR", "-extension", "MIT-SHM"], log=f"{STATE}/xvfb.log")
     _wait(lambda: _x_answers(sock_path(ws, X_SOCKET)), timeout, "Xvfb")
     session_spawn(ws, ["dbus-daemon", "--session", f"--address={DBUS_ADDRESS}", "--nofork", "--nopidfile"], log=log)
-    _wait(lambda: Path(sock_path(ws, f"{STATE}/dbus")).exists(), timeout, "the session bus")
+    _wait(lambda: sock_path(ws, f"{STATE}/dbus").exists(), timeout, "the session bus")
     session_spawn(ws, ["/usr/libexec/at-spi-bus-launcher", "--launch-immediately"], log=log)
     session_spawn(ws, ["python3", f"{OPT}/desktop_server.py"], log=f"{STATE}/desktop_server.log")
     client = DesktopClient(ws)
@@ -144,7 +149,7 @@ def windows(ws: Any) -> list[tuple[str, str]] | None:
     return out
 
 
-def _x_answers(path: str) -> bool:
+def _x_answers(path: RootedPath) -> bool:
     from bunshin_gym.envs.osworld.xclient import XScreen
 
     scr = XScreen(path, timeout=2.0)
@@ -199,21 +204,27 @@ def terminal_text(raw: bytes, limit: int = 16384) -> str:
 
 
 class DesktopClient:
-    """The host's connection to the in-workspace input server (lazy, droppable)."""
+    """The host's connection to the in-workspace input server (lazy, droppable).
+
+    Every request has a deadline and its reply a size cap; a failure is a
+    :class:`~bunshin_gym.workspace.errors.ChannelError` naming the workspace.
+    """
 
     def __init__(self, ws: Any):
         self.ws = ws
-        self._sock: socket.socket | None = None
-        self._path: str | None = None
+        # the path is taken at each connect: a rollback gives the workspace a new PID 1. Only
+        # what changes nothing is retried on a connection that broke: a server that dropped the
+        # connection may have run the action (and died), so an action is never sent twice
+        self._client = Client(lambda: sock_path(ws, DESKTOP_SOCKET).connect(timeout=10.0),
+                              name=f"{ws.id}: the desktop input server", timeout=120.0, max_blobs=MAX_REPLY,
+                              retry_ops=("ping", "screenshot"), error=ChannelError)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._client.close()
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        return self._client.connected
 
     def ping(self) -> bool:
         try:
@@ -222,24 +233,4 @@ class DesktopClient:
             return False
 
     def request(self, header: dict, timeout: float = 120.0) -> dict:
-        for attempt in (0, 1):
-            fresh = self._sock is None
-            try:
-                if fresh:
-                    path = sock_path(self.ws, DESKTOP_SOCKET)
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-                    try:
-                        s.connect(path)
-                    except OSError:
-                        s.close()
-                        raise
-                    self._sock, self._path = s, path
-                self._sock.settimeout(timeout)
-                send_msg(self._sock, header)
-                reply, _ = recv_msg(self._sock)
-                return reply
-            except (OSError, ProtocolError) as e:
-                self.close()
-                if fresh or attempt == 1:
-                    raise WorkspaceError(f"{self.ws.id}: the desktop input server does not answer: {e}") from e
-        raise AssertionError("unreachable")
+        return self._client.request(header, timeout=timeout)[0]

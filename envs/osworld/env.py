@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from typing import Any
@@ -37,11 +39,15 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from bunshin_gym.core.env import ActionError, WorkspaceEnv
+from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text
 from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, tasks
 from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
 from bunshin_gym.envs.osworld.xclient import XScreen
+from bunshin_gym.workspace.errors import AgentError, ChannelError, WorkspaceError
+from bunshin_gym.workspace.protocol import MAX_HEADER, Unreachable
+
+log = logging.getLogger(__name__)
 
 SPECIAL = ("WAIT", "FAIL", "DONE")
 ACTION_TYPES = ("MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DOUBLE_CLICK", "DRAG_TO", "SCROLL",
@@ -49,6 +55,11 @@ ACTION_TYPES = ("MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DO
 BUTTONS = ("left", "right", "middle")
 MAX_CODE = 65536
 MAX_TEXT = 1 << 20
+#: the largest request the input server reads: one frame's JSON header (text in it is
+#: escaped, so a TYPING text of MAX_TEXT characters does not fit)
+MAX_REQUEST = MAX_HEADER
+#: seconds a restarted input server has to answer
+RESTART_TIMEOUT = 30.0
 #: the terminal transcript counts as settled once unchanged for this long (seconds)
 TERMINAL_QUIET_S = 0.15
 CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t\r"
@@ -117,8 +128,9 @@ def check_computer_13(a: Any, width: int, height: int) -> str:
         if not a.get("dx") and not a.get("dy"):
             raise ActionError("SCROLL needs a non-zero dx or dy")
     elif kind == "TYPING":
-        if not isinstance(a.get("text"), str) or len(a["text"]) > MAX_TEXT:
+        if not isinstance(a.get("text"), str):
             raise ActionError("TYPING needs a string 'text'")
+        check_text(a["text"], what="TYPING text", max_bytes=4 * MAX_TEXT)
     elif kind in ("PRESS", "KEY_DOWN", "KEY_UP"):
         if not isinstance(a.get("key"), str) or not a["key"]:
             raise ActionError(f"{kind} needs a string 'key'")
@@ -128,6 +140,10 @@ def check_computer_13(a: Any, width: int, height: int) -> str:
             raise ActionError("HOTKEY needs a non-empty list of key names 'keys'")
     if "button" in a and a["button"] not in BUTTONS and kind in ("CLICK", "MOUSE_DOWN", "MOUSE_UP"):
         raise ActionError(f"{kind}: button must be one of {BUTTONS}, not {a['button']!r}")
+    for key in ("key", "keys"):  # key names travel as text too
+        for name in (a.get(key) if isinstance(a.get(key), list) else [a.get(key)]):
+            if isinstance(name, str):
+                check_text(name, what=f"{kind} {key}", max_bytes=256)
     return kind
 
 
@@ -211,21 +227,68 @@ class OSWorldEnv(WorkspaceEnv):
             if not isinstance(action, str):
                 raise ActionError("a pyautogui action is a code string (or WAIT/FAIL/DONE), "
                                   f"not {type(action).__name__}")
+            check_text(action, what="pyautogui code", max_bytes=4 * MAX_CODE)
+            if len(action) > MAX_CODE:
+                raise ActionError(f"pyautogui code is {len(action)} characters, over the limit of {MAX_CODE}")
             if not action.strip():
                 raise ActionError("empty pyautogui code")
             req = {"op": "pyautogui", "code": action, "timeout": self.action_timeout}
         else:
             check_computer_13(action, *self.screen_size)
             req = {"op": "computer_13", "action": action, "timeout": self.action_timeout}
-        reply = self._client().request(req, timeout=self.action_timeout + 10)
+        size = len(json.dumps(req))
+        if size > MAX_REQUEST:
+            raise ActionError(f"the action is {size} bytes as a request, over the input server's frame of "
+                              f"{MAX_REQUEST} bytes (non-ASCII text takes up to 12 bytes a character there)")
+        reply = self._run_action(req)
         if self.settle:
             time.sleep(self.settle)
+        self.record_timing(action_s=reply.get("duration", 0.0))
         if "error" in reply:
             raise ActionError(reply["error"])
-        info = {"action_ms": round(reply.get("duration", 0.0) * 1e3, 3)}
-        if reply.get("output"):
-            info["output"] = reply["output"]
-        return info
+        return {"output": reply["output"]} if reply.get("output") else {}
+
+    def _run_action(self, req: dict) -> dict:
+        """Send an action to the input server, which is restarted if it is dead or hangs. An
+        action that never reached a server (it was found dead) is sent to the new one; one
+        that did may have run, and is not sent again."""
+        for attempt in (0, 1):
+            try:
+                return self._client().request(req, timeout=self.action_timeout + 10)
+            except ChannelError as e:
+                # no connection; a broken pipe on sending; or a reset, which a unix socket gets
+                # when its peer closed with our request unread (one that read it and died
+                # gives end-of-file): in each case no server read the request
+                never_sent = isinstance(e.__cause__, (Unreachable, BrokenPipeError, ConnectionResetError))
+                # dead (os._exit, a crash) or hung (the action ignored SIGALRM): the effects
+                # so far stay; the server is replaced and the episode goes on
+                self.restart_input_server()
+                if not never_sent or attempt == 1:
+                    raise ActionError(f"the action broke the desktop input server ({e}); it was restarted") from None
+                log.warning("%s: the desktop input server was gone (%s); restarted, sending the action to it",
+                            self.workspace.id, e)
+        raise AssertionError("unreachable")
+
+    def restart_input_server(self) -> None:
+        """Replace the workspace's input server (killed first if it still runs) and wait until
+        the new one answers. A :class:`WorkspaceError` if the workspace itself does not."""
+        ws = self.workspace
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+        # by its program path, inside the workspace's own pid namespace: nothing else runs it
+        ws.exec(["pkill", "-KILL", "-f", f"^python3 {desktop.OPT}/desktop_server.py"], timeout=10)
+        desktop.session_spawn(ws, ["python3", f"{desktop.OPT}/desktop_server.py"],
+                              log=f"{desktop.STATE}/desktop_server.log")
+        client = self._client()
+        deadline = time.monotonic() + RESTART_TIMEOUT
+        while not client.ping():
+            if time.monotonic() > deadline:
+                tail = ws.exec(["tail", "-n", "20", f"{desktop.STATE}/desktop_server.log"], timeout=10).text
+                raise WorkspaceError(f"{ws.id}: the desktop input server did not come back within "
+                                     f"{RESTART_TIMEOUT:.0f} s; its log:\n{tail}")
+            time.sleep(0.05)
+        log.info("%s: desktop input server restarted", ws.id)
 
     def _special(self, action: Any) -> str | None:
         if isinstance(action, str) and action.strip() in SPECIAL:
@@ -275,7 +338,11 @@ class OSWorldEnv(WorkspaceEnv):
             if self._x is not None:
                 self._x.close()
             self._x = XScreen(path)
-        return self._x.capture()
+        try:
+            return self._x.capture()
+        except OSError as e:  # XError too: the X server is inside the workspace and may misbehave
+            self._x.close()
+            raise ChannelError(f"{self.workspace.id}: the X display at {path}: {e}") from e
 
     def accessibility_tree(self) -> str:
         """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer)."""
@@ -295,7 +362,10 @@ class OSWorldEnv(WorkspaceEnv):
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             time.sleep(TERMINAL_QUIET_S)
-            again = self.workspace.read_file(desktop.TERMINAL_LOG)
+            try:
+                again = self.workspace.read_file(desktop.TERMINAL_LOG)
+            except AgentError:  # replaced meanwhile (by a FIFO, a device: refused): keep what was read
+                break
             if again == raw:
                 break
             raw = again

@@ -5,6 +5,12 @@ Each takes what the getters returned (a local file path, a string, a dict) and s
 file was not there) scores 0. Names follow OSWorld's ``desktop_env.evaluators.metrics``;
 ``check_directory_tree`` is bunshin's own (for ``list_directory``).
 
+Reward integrity: the metrics run in this process, on the host. Their inputs come from the
+getters (``tasks.py``) either as the bytes of the workspace's files (the policy's data, which
+it controls anyway) or from commands run with the image's pristine binaries outside the
+workspace (:mod:`bunshin_gym.workspace.pristine`), never from the workspace's own binaries,
+which a policy with sudo can replace.
+
 Example:
     >>> exact_match("100\\n", {"expected": "100\\n"})
     1.0

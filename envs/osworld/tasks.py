@@ -32,9 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.core.task import Task, TaskError
+from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
 from bunshin_gym.envs.osworld import desktop
 from bunshin_gym.envs.osworld.metrics import METRICS
+from bunshin_gym.workspace import pristine
 
 HERE = Path(__file__).parent
 TASKS_DIR = HERE / "tasks"
@@ -150,11 +151,17 @@ def step_download(env: Any, p: dict) -> None:
         env.workspace.write_file(target, src.read_bytes(), owner=desktop.USER)
 
 
-def _cdp(env: Any, path: str, timeout: float = 10.0) -> Any:
-    """A DevTools HTTP endpoint of the workspace's chromium (port 9222 on its loopback)."""
+def _cdp(env: Any, path: str, timeout: float = 10.0, checker: bool = False) -> Any:
+    """A DevTools HTTP endpoint of the workspace's chromium (port 9222 on its loopback).
+
+    ``checker``: for a getter, fetch it with the image's python3 from outside the workspace
+    (:func:`_checker_run`, in the workspace's network namespace), not the workspace's own."""
     code = ("import sys,urllib.request;sys.stdout.write(urllib.request.urlopen("
             f"'http://127.0.0.1:9222{path}', timeout={timeout}).read().decode())")
-    res = env.workspace.exec(["python3", "-c", code], user=desktop.USER, timeout=timeout + 5)
+    if checker:
+        res = _checker_run(env, ["python3", "-c", code], timeout=timeout + 5, workspace_net=True)
+    else:
+        res = env.workspace.exec(["python3", "-c", code], user=desktop.USER, timeout=timeout + 5)
     if not res.ok:
         return None
     try:
@@ -163,8 +170,8 @@ def _cdp(env: Any, path: str, timeout: float = 10.0) -> Any:
         return res.text
 
 
-def _pages(env: Any) -> list[dict] | None:
-    tabs = _cdp(env, "/json/list")
+def _pages(env: Any, checker: bool = False) -> list[dict] | None:
+    tabs = _cdp(env, "/json/list", checker=checker)
     if not isinstance(tabs, list):
         return None
     return [t for t in tabs if t.get("type") == "page"]
@@ -226,13 +233,25 @@ def _local(env: Any, name: str) -> Path:
     return Path(env.eval_dir) / Path(name).name
 
 
+def _checker_run(env: Any, cmd: str | list[str], timeout: float = 60.0, workspace_net: bool = False) -> Any:
+    """Run a getter's command over the workspace's files with the image's binaries, outside the
+    workspace (:mod:`bunshin_gym.workspace.pristine`): a policy with sudo may have replaced
+    ``cat``, ``python3`` or the loader inside, and those must not produce the evaluated value.
+    It runs in the user's home with ``HOME`` set to it, as OSWorld's commands expect (``~``),
+    but not in the desktop session: a getter command cannot talk to the workspace's X server
+    or session bus (none of the shipped tasks needs to)."""
+    line = cmd if isinstance(cmd, str) else shlex.join(cmd)
+    return pristine.run(env.workspace, line, cwd=desktop.HOME, home=desktop.HOME, user=desktop.USER,
+                        timeout=timeout, workspace_net=workspace_net, freeze=not workspace_net)
+
+
 def get_vm_command_line(env: Any, c: dict) -> str | None:
-    res = desktop.session_run(env.workspace, _command({"command": c["command"], "shell": c.get("shell", False)}, env))
+    res = _checker_run(env, _command({"command": c["command"], "shell": c.get("shell", False)}, env))
     return res.stdout.decode(errors="replace")
 
 
 def get_vm_command_error(env: Any, c: dict) -> str | None:
-    res = desktop.session_run(env.workspace, _command({"command": c["command"], "shell": c.get("shell", False)}, env))
+    res = _checker_run(env, _command({"command": c["command"], "shell": c.get("shell", False)}, env))
     return res.stderr.decode(errors="replace")
 
 
@@ -241,6 +260,8 @@ def get_vm_terminal_output(env: Any, c: dict) -> str | None:
 
 
 def get_vm_file(env: Any, c: dict) -> Any:
+    # read through the agent: the bytes are the workspace's data, which the policy controls anyway;
+    # no workspace binary computes anything from them (the metrics run here, on the host)
     if c.get("multi"):
         paths, dests = c["path"], c["dest"]
         out = [get_vm_file(env, {"path": p, "dest": d}) for p, d in zip(paths, dests, strict=True)]
@@ -283,7 +304,7 @@ def get_list_directory(env: Any, c: dict) -> dict | None:
             "  out['children'].append(t(p) if d2 else {'type':'file','name':e})\n"
             " return out\n"
             "sys.stdout.write(json.dumps(t(sys.argv[1])))\n")
-    res = env.workspace.exec(["python3", "-c", code, _home_path(c["path"])], user=desktop.USER, timeout=30)
+    res = _checker_run(env, ["python3", "-c", code, _home_path(c["path"])], timeout=30)
     return json.loads(res.text) if res.ok else None
 
 
@@ -301,7 +322,7 @@ def get_accessibility_tree(env: Any, c: dict) -> str:
 
 
 def get_open_tabs_info(env: Any, c: dict) -> list | None:
-    pages = _pages(env)
+    pages = _pages(env, checker=True)
     # /json/list answers most recently active first; OSWorld lists tabs in strip order,
     # which for tabs opened in sequence is the order they were created (oldest first)
     return None if pages is None else [{"title": t.get("title", ""), "url": t.get("url", "")}
@@ -310,7 +331,7 @@ def get_open_tabs_info(env: Any, c: dict) -> list | None:
 
 def get_active_tab_info(env: Any, c: dict) -> dict | None:
     """The active tab: the page whose title the chromium window shows (else the newest)."""
-    pages = _pages(env)
+    pages = _pages(env, checker=True)
     if not pages:
         return None
     titles = [t for cls, t in desktop.windows(env.workspace) or [] if "chromium" in cls.lower()]
@@ -361,13 +382,20 @@ def _as_list(x: Any) -> list:
 class OSWorldTask(Task):
     """One OSWorld task (see the module docstring for what is supported)."""
 
-    def __init__(self, config: dict):
-        for key in ("id", "instruction", "evaluator"):
-            if key not in config:
-                raise TaskError(f"osworld task {config.get('id', '?')}: missing {key!r}")
-        super().__init__(config["id"], config["instruction"], config.get("max_steps", 15), config)
-        self.steps_config: list[dict] = list(config.get("config") or [])
-        self.evaluator: dict = config["evaluator"]
+    def __init__(self, config: dict, source: str | None = None):
+        config = check_config(config, f"osworld task {source or ''}".strip())
+        where = f"osworld task {config.get('id', '?')!r:.80}" + (f" ({source})" if source else "")
+        task_id = field(config, "id", str, where, required=True)
+        instruction = field(config, "instruction", str, where, required=True)
+        self.evaluator: dict = field(config, "evaluator", dict, where, required=True)
+        self.steps_config: list[dict] = list(field(config, "config", list, where, default=[], items=dict))
+        field(self.evaluator, "postconfig", list, f"{where}: evaluator", items=dict)
+        for kind, steps in (("config", self.steps_config), ("evaluator.postconfig",
+                                                           self.evaluator.get("postconfig") or [])):
+            for i, step in enumerate(steps):
+                field(step, "parameters", dict, f"{where}: {kind}[{i}]")
+        field(config, "oracle", list, where)
+        super().__init__(task_id, instruction, check_max_steps(config.get("max_steps", 15), where), config)
         self._check()
 
     def _check(self) -> None:
@@ -462,13 +490,13 @@ def load_task(spec: Any) -> OSWorldTask:
     if isinstance(spec, dict):
         return OSWorldTask(spec)
     if str(spec).endswith(".json") and Path(str(spec)).exists():
-        return OSWorldTask(json.loads(Path(str(spec)).read_text()))
+        return OSWorldTask(read_task_file(str(spec)), source=str(spec))
     known = task_paths()
     if spec in known:
-        return OSWorldTask(json.loads(known[spec].read_text()))
+        return OSWorldTask(read_task_file(known[spec]), source=str(known[spec]))
     raise TaskError(f"no osworld task {spec!r}; shipped tasks: {', '.join(known)}")
 
 
 def shipped_tasks() -> list[OSWorldTask]:
-    return [OSWorldTask(json.loads(p.read_text())) for p in task_paths().values()]
+    return [OSWorldTask(read_task_file(p), source=str(p)) for p in task_paths().values()]
 

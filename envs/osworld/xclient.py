@@ -1,13 +1,19 @@
 """A minimal X11 protocol client for host-side screenshots (no Xlib needed on the host).
 
 It speaks just enough of the core protocol (connection set-up, ``GetImage``) over a unix
-socket, which for a workspace is ``/proc/<pid1>/root/tmp/.X11-unix/X0``. A 1920x1080
-screen is one request and an 8 MB reply: a few milliseconds. The connection must be closed
-before the workspace is snapshotted (CRIU cannot dump a connection that leaves it):
-:meth:`XScreen.close`, and the next :meth:`XScreen.capture` reconnects.
+socket, which for a workspace is ``/tmp/.X11-unix/X0`` inside its root, reached without
+following anything the workspace controls (a
+:class:`~bunshin_gym.workspace.inroot.RootedPath`). A 1920x1080 screen is one request and an
+8 MB reply: a few milliseconds. The connection must be closed before the workspace is
+snapshotted (CRIU cannot dump a connection that leaves it): :meth:`XScreen.close`, and the
+next :meth:`XScreen.capture` reconnects.
+
+The X server runs inside the workspace and is not trusted: each request has a deadline
+(``timeout``, for the whole reply), and a reply longer than the image asked for (or than
+``max_reply``) is refused before anything is allocated for it.
 
 Example:
-    >>> scr = XScreen(f"/proc/{ws.pid}/root/tmp/.X11-unix/X0")
+    >>> scr = XScreen(RootedPath(ws.pid, "/tmp/.X11-unix/X0"))
     >>> rgb = scr.capture()          # numpy uint8 array (height, width, 3)
     >>> scr.close()
 """
@@ -16,8 +22,17 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import numpy as np
+
+from bunshin_gym.workspace.inroot import RootedPath
+from bunshin_gym.workspace.protocol import ProtocolError, RequestTimeout, connect_path, recv_into
+
+#: default cap on one reply (a 4K screen at 32 bits is 33 MB)
+MAX_REPLY = 128 << 20
+#: cap on an event the client skips (a GenericEvent carries its own length)
+MAX_EVENT = 1 << 20
 
 
 class XError(OSError):
@@ -27,9 +42,10 @@ class XError(OSError):
 class XScreen:
     """One lazily opened connection to an X server's first screen."""
 
-    def __init__(self, path: str, timeout: float = 10.0):
+    def __init__(self, path: str | RootedPath, timeout: float = 10.0, max_reply: int = MAX_REPLY):
         self.path = path
         self.timeout = timeout
+        self.max_reply = max_reply
         self._sock: socket.socket | None = None
         self.root = 0
         self.width = 0
@@ -41,14 +57,16 @@ class XScreen:
     def connect(self) -> None:
         if self._sock is not None:
             return
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.settimeout(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        if isinstance(self.path, RootedPath):
+            s = self.path.connect(timeout=self.timeout)
+        else:
+            s = connect_path(self.path, timeout=self.timeout)
         try:
-            s.connect(self.path)
             s.sendall(struct.pack("<BxHHHHxx", ord("l"), 11, 0, 0, 0))
-            head = _recv(s, 8)
+            head = _recv(s, 8, deadline)
             status, reason_len, _major, _minor, extra = struct.unpack("<BBHHH", head)
-            data = _recv(s, extra * 4)
+            data = _recv(s, extra * 4, deadline)  # at most 256 kB: a 16-bit count of 4-byte units
             if status != 1:
                 why = data[:reason_len].decode(errors="replace") if status == 0 else "authentication required"
                 raise XError(f"X server at {self.path} refused the connection: {why}")
@@ -80,13 +98,22 @@ class XScreen:
         self.connect()
         w = self.width - x if w is None else w
         h = self.height - y if h is None else h
+        deadline = time.monotonic() + self.timeout
         try:
+            # 4 bytes a pixel is the most a ZPixmap image can take; the screen size itself came
+            # from the server, so it is capped as well
+            want = w * h * 4
+            if want > self.max_reply:
+                raise XError(f"GetImage of {w}x{h} would be {want} bytes, over the cap of {self.max_reply}")
             self._sock.sendall(struct.pack("<BBHIhhHHI", 73, 2, 5, self.root, x, y, w, h, 0xFFFFFFFF))
             self._seq = (self._seq + 1) & 0xFFFF
-            head = self._reply()
+            head = self._reply(deadline)
             length, = struct.unpack_from("<I", head, 4)
+            if length * 4 > want:
+                raise XError(f"X reply refused: {length * 4} bytes announced for a {w}x{h} image "
+                             f"(at most {want})")
             buf = bytearray(length * 4)
-            _recv_into(self._sock, buf)
+            _recv_into(self._sock, buf, deadline)
         except BaseException:
             self.close()
             raise
@@ -94,33 +121,36 @@ class XScreen:
             raise XError(f"GetImage: {len(buf)} bytes for {w}x{h} (depth {self.depth} is not 24/32-bit)")
         return np.frombuffer(buf, np.uint8, w * h * 4).reshape(h, w, 4)
 
-    def _reply(self) -> bytes:
+    def _reply(self, deadline: float) -> bytes:
         """The next reply's 32-byte head; events (MappingNotify reaches every client) are skipped."""
         while True:
-            head = _recv(self._sock, 32)
+            head = _recv(self._sock, 32, deadline)
             if head[0] == 1:
                 return head
             if head[0] == 0:
                 raise XError(f"X request failed: error code {head[1]}")
             if head[0] & 0x7F == 35:  # GenericEvent: 32 bytes plus its length
-                _recv(self._sock, struct.unpack_from("<I", head, 4)[0] * 4)
+                extra = struct.unpack_from("<I", head, 4)[0] * 4
+                if extra > MAX_EVENT:
+                    raise XError(f"X event refused: {extra} bytes announced (cap {MAX_EVENT})")
+                _recv(self._sock, extra, deadline)
 
     def capture(self) -> np.ndarray:
         """The whole screen as an RGB (height, width, 3) uint8 array."""
         return np.ascontiguousarray(self.capture_bgrx()[:, :, 2::-1])
 
 
-def _recv(sock: socket.socket, n: int) -> bytes:
+def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, buf)
+    _recv_into(sock, buf, deadline)
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, buf: bytearray) -> None:
-    view = memoryview(buf)
-    got, n = 0, len(buf)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise XError("X server closed the connection")
-        got += k
+def _recv_into(sock: socket.socket, buf: bytearray, deadline: float) -> None:
+    """Fill ``buf``; the deadline bounds the whole reply (a server dripping bytes cannot stretch it)."""
+    try:
+        recv_into(sock, buf, deadline)
+    except RequestTimeout as e:
+        raise XError(f"X server did not send its reply in time: {e}") from e
+    except ProtocolError as e:
+        raise XError("X server closed the connection") from e

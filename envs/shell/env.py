@@ -11,25 +11,42 @@ Task format (JSON, ``envs/shell/tasks/*.json``)::
 
 Actions run as ``user`` in ``/home/user`` (as in OSWorld). ``DONE`` ends the episode and
 ``FAIL`` gives up; both are then scored by the checker.
+
+The checker does not run inside the workspace, where a policy with sudo could have replaced
+``test``, ``wc`` or ``sqlite3``: it runs on the host with the image's own binaries over a
+read-only view of the workspace's files (:mod:`bunshin_gym.workspace.pristine`), in
+``/home/user``, as ``nobody`` allowed to read every file, with no ``$HOME`` and no network.
+A checker can compare the workspace's files with values or with the image's files
+(``/usr/...`` is always the image's), but cannot use software the episode installed.
+
+Each workspace has memory, process and disk limits (``limits=``, see
+:class:`~bunshin_gym.config.Limits`); a command that hits one gets a ``[bunshin: ...]`` line
+at the end of its output naming the limit.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 
-from bunshin_gym.core.env import ActionError, WorkspaceEnv
-from bunshin_gym.core.task import Task, TaskError
+from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text, printable
+from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
+from bunshin_gym.workspace import pristine
+from bunshin_gym.workspace.workspace import limits_hit
+
+log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 #: printable text: every character a command or its output may carry
 CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
 _CONTROL = {c: None for c in range(32) if c not in (9, 10)} | {0x7F: None}
 MAX_ACTION = 8192
+#: a command of MAX_ACTION characters is at most this many bytes of UTF-8
+MAX_ACTION_BYTES = 4 * MAX_ACTION
 MAX_OUTPUT = 16384
 SPECIAL = ("DONE", "FAIL")
 
@@ -37,7 +54,8 @@ SPECIAL = ("DONE", "FAIL")
 def clean_text(raw: bytes, limit: int) -> str:
     """Decode command output for an observation: control characters dropped, the tail kept."""
     text = raw.decode(errors="replace").translate(_CONTROL)
-    text = "".join(c if c in _CHARS else "\ufffd" for c in text) if not text.isascii() else text
+    # "?" for what the observation space's charset lacks (U+FFFD, from undecodable bytes, too)
+    text = "".join(c if c in _CHARS else "?" for c in text) if not text.isascii() else text
     return text if len(text) <= limit else "…" + text[-(limit - 1):]
 
 
@@ -47,13 +65,15 @@ _CHARS = frozenset(CHARSET)
 class ShellTask(Task):
     """A shell task: set-up commands and a checker command (exit 0 = success)."""
 
-    def __init__(self, config: dict):
-        for key in ("id", "instruction", "check"):
-            if key not in config:
-                raise TaskError(f"shell task {config.get('id', '?')}: missing {key!r}")
-        super().__init__(config["id"], config["instruction"], config.get("max_steps", 10), config)
-        self.setup_cmds: list[str] = list(config.get("setup", []))
-        self.check: str = config["check"]
+    def __init__(self, config: dict, source: str | None = None):
+        config = check_config(config, f"shell task {source or ''}".strip())
+        where = f"shell task {config.get('id', '?')!r:.80}" + (f" ({source})" if source else "")
+        task_id = field(config, "id", str, where, required=True)
+        instruction = field(config, "instruction", str, where, required=True)
+        self.check: str = field(config, "check", str, where, required=True)
+        self.setup_cmds: list[str] = list(field(config, "setup", list, where, default=[], items=str))
+        field(config, "oracle", list, where, items=str)
+        super().__init__(task_id, instruction, check_max_steps(config.get("max_steps", 10), where), config)
 
     def setup(self, env: ShellEnv) -> None:
         for cmd in self.setup_cmds:
@@ -63,11 +83,23 @@ class ShellTask(Task):
                                 f"{res.stderr.decode(errors='replace')[-500:]}")
 
     def validate(self, env: ShellEnv) -> float:
-        return 1.0 if env.workspace.exec(self.check, timeout=60, cwd="/home/user").exit_code == 0 else 0.0
+        """Run the checker over the workspace's files with the image's own binaries, outside the
+        workspace (:mod:`bunshin_gym.workspace.pristine`): a policy with sudo may have replaced
+        ``/usr/bin/wc`` or ``sqlite3`` inside, and those must not decide its reward."""
+        ws = env.workspace
+        if not hasattr(ws, "_rec"):  # a test double without layers: it has no binaries to replace
+            return 1.0 if ws.exec(self.check, timeout=60, cwd="/home/user").exit_code == 0 else 0.0
+        res = pristine.run(ws, self.check, cwd="/home/user", timeout=60)
+        if res.exit_code != 0 and res.stderr:
+            log.info("task %s: checker exited %d: %s", self.id, res.exit_code,
+                     res.stderr.decode(errors="replace")[-300:])
+        return 1.0 if res.ok else 0.0
 
 
 def load_shell_task(spec: Any) -> ShellTask:
     """A task id (``shell/NAME``, looked up in ``envs/shell/tasks``), a dict, or a JSON path."""
+    if isinstance(spec, ShellTask):
+        return spec
     if isinstance(spec, dict):
         return ShellTask(spec)
     path = Path(str(spec))
@@ -76,11 +108,11 @@ def load_shell_task(spec: Any) -> ShellTask:
     if not path.exists():
         known = ", ".join(sorted(f"shell/{p.stem}" for p in TASKS_DIR.glob("*.json")))
         raise TaskError(f"no shell task {spec!r}; shipped tasks: {known}")
-    return ShellTask(json.loads(path.read_text()))
+    return ShellTask(read_task_file(path), source=str(path))
 
 
 def shipped_tasks() -> list[ShellTask]:
-    return [ShellTask(json.loads(p.read_text())) for p in sorted(TASKS_DIR.glob("*.json"))]
+    return [ShellTask(read_task_file(p), source=str(p)) for p in sorted(TASKS_DIR.glob("*.json"))]
 
 
 class ShellEnv(WorkspaceEnv):
@@ -113,10 +145,13 @@ class ShellEnv(WorkspaceEnv):
         return load_shell_task(spec)
 
     def execute(self, action: Any) -> dict:
-        if not isinstance(action, str):
-            self._output, self._exit_code = f"error: an action is a string, not {type(action).__name__}", -1
-            raise ActionError(self._output)
-        cmd = action.strip()
+        try:
+            cmd = check_text(action, what="a shell command", max_bytes=MAX_ACTION_BYTES).strip()
+            if len(action) > MAX_ACTION:
+                raise ActionError(f"a shell command is {len(action)} characters, over the limit of {MAX_ACTION}")
+        except ActionError as e:
+            self._output, self._exit_code = printable(f"error: {e}", MAX_OUTPUT), -1
+            raise
         if cmd in SPECIAL:
             self.done = True
             self._output, self._exit_code = "", 0
@@ -124,10 +159,20 @@ class ShellEnv(WorkspaceEnv):
         if not cmd:
             self._output, self._exit_code = "error: empty command", -1
             raise ActionError(self._output)
-        res = self.workspace.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
-        self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT)
+        ws = self.workspace
+        watch = hasattr(ws, "limit_state")  # a test double may not model limits
+        before = ws.limit_state() if watch else None
+        res = ws.exec(cmd, timeout=self.command_timeout, user="user", cwd="/home/user")
+        notes = limits_hit(before, ws.limit_state(), ws.limits, res.stdout + res.stderr) if watch else []
+        # the notes go last, so that the tail-keeping cut never drops them
+        tail = "".join(f"\n[bunshin: {n}]" for n in notes)
+        self._output = clean_text(res.stdout + res.stderr, MAX_OUTPUT - len(tail)) + tail
         self._exit_code = -9 if res.timed_out else max(-256, min(255, res.exit_code))
-        return {"exit_code": self._exit_code, "timed_out": res.timed_out, "duration": res.duration}
+        self.record_timing(command_s=res.duration)
+        info = {"exit_code": self._exit_code, "timed_out": res.timed_out}
+        if notes:
+            info["limit"] = notes
+        return info
 
     def observe(self) -> dict:
         return {
@@ -135,6 +180,10 @@ class ShellEnv(WorkspaceEnv):
             "output": self._output,
             "exit_code": np.int64(self._exit_code),
         }
+
+    def error_observation(self, message: str) -> dict:
+        return {"instruction": self.task.instruction if self.task else "", "output": message[-MAX_OUTPUT:],
+                "exit_code": np.int64(-1)}
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         self._output, self._exit_code = "", -1

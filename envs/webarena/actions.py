@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 KINDS = ("click", "type", "hover", "press", "scroll", "new_tab", "tab_focus", "close_tab", "goto", "go_back",
          "go_forward", "stop")
@@ -107,3 +108,40 @@ def parse_action(text: str) -> Action:
     if s != kind:
         raise ActionSyntaxError(f"{kind} takes no argument: {s!r}")
     return Action(kind, raw=s)
+
+
+# where the browser may go ------------------------------------------------------------------
+class URLRefused(ValueError):
+    """A URL outside the env's sites (a local file, a browser page, another host or port)."""
+
+
+def origin(url: str) -> str | None:
+    """``scheme://host:port`` of an http(s) URL (default port written out), else None.
+
+    URLs that browsers and ``urllib`` may read differently (a backslash, a space or control
+    character, credentials before the host) have no origin here: they are refused."""
+    if any(c in url for c in "\\\t\n\r ") or any(ord(c) < 32 for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+        return None
+    scheme = parts.scheme.lower()
+    return f"{scheme}://{parts.hostname.lower()}:{port or (443 if scheme == 'https' else 80)}"
+
+
+def check_url(url: str, site_urls: list[str] | tuple[str, ...]) -> str:
+    """``url`` if the browser may open it: ``about:blank`` or a page of one of the env's sites
+    (same scheme, host and port). Anything else, ``file://``, ``chrome://``, ``view-source:``,
+    ``data:``, ``javascript:`` or another host or port, raises :class:`URLRefused`: a policy
+    must not read the workspace's files or other local services through the browser."""
+    if url == "about:blank":
+        return url
+    allowed = {origin(u) for u in site_urls} - {None}
+    if origin(url) not in allowed:
+        sites = ", ".join(sorted(site_urls)) or "none"
+        raise URLRefused(f"the browser may only open the env's sites ({sites}), not {url[:200]!r}")
+    return url

@@ -1,19 +1,23 @@
 """The controller's side of the in-workspace browser driver (see ``driver.py``).
 
-The driver's socket is reached through ``/proc/<pid1>/root/run/bunshin/web.sock``; the
-connection is opened lazily and must be closed (:meth:`BrowserClient.close`) before every
-snapshot, clone or rollback of the workspace.
+The driver's socket is ``/run/bunshin/web.sock`` inside the workspace, reached through its
+root without following anything the workspace controls
+(:class:`~bunshin_gym.workspace.inroot.RootedPath`); the connection is opened lazily and
+must be closed (:meth:`BrowserClient.close`) before every snapshot, clone or rollback of the
+workspace. Every request has a deadline and its reply a size cap.
 """
 
 from __future__ import annotations
 
-import socket
 import time
 
-from bunshin_gym.workspace.agent import ProtocolError, recv_msg, send_msg
-from bunshin_gym.workspace.errors import WorkspaceError
+from bunshin_gym.workspace.errors import ChannelError, WorkspaceError
+from bunshin_gym.workspace.inroot import RootedPath
+from bunshin_gym.workspace.protocol import Client
 
 SOCKET = "/run/bunshin/web.sock"
+#: cap on one reply's blobs (a PNG screenshot of the viewport)
+MAX_REPLY = 64 << 20
 
 
 class DriverError(RuntimeError):
@@ -35,31 +39,20 @@ class BrowserClient:
     """
 
     def __init__(self, pid1: int, timeout: float = 60.0):
-        self.path = f"/proc/{pid1}/root{SOCKET}"
+        self.path = path = RootedPath(pid1, SOCKET)
         self.timeout = timeout
-        self._sock: socket.socket | None = None
+        # the connector holds the path, not self: no reference cycle, so a dropped client
+        # closes its socket at once (an open one would keep the workspace from a snapshot)
+        self._client = Client(lambda: path.connect(timeout=10.0), name=f"the browser driver at {path}",
+                              timeout=timeout, max_blobs=MAX_REPLY, retry_ops=(), error=ChannelError)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._client.close()
 
     def request(self, header: dict, timeout: float | None = None) -> tuple[dict, list[bytes]]:
-        if self._sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-            try:
-                sock.connect(self.path)
-            except OSError as e:
-                sock.close()
-                raise WorkspaceError(f"cannot reach the browser driver at {self.path}: {e}") from e
-            self._sock = sock
-        self._sock.settimeout(timeout or self.timeout)
-        try:
-            send_msg(self._sock, header)
-            reply, blobs = recv_msg(self._sock)
-        except (OSError, ProtocolError) as e:
-            self.close()
-            raise WorkspaceError(f"browser driver connection failed during {header.get('op')}: {e}") from e
+        """One request; :class:`ChannelError` when the driver cannot be reached, does not
+        answer in time or answers over the cap, :class:`DriverError` when the operation failed."""
+        reply, blobs = self._client.request(header, timeout=timeout or self.timeout)
         if "error" in reply:
             raise DriverError(reply["error"])
         return reply, blobs

@@ -3,28 +3,49 @@
 Runs inside a web workspace with the image's python3 (playwright installed, Debian's
 chromium), started by ``WebArenaEnv.boot``, so the boot snapshot holds it with its browser
 and page. It serves one controller connection at a time on a unix socket
-(``/run/bunshin/web.sock``) with the workspace agent's framing (imported from
-``/.bunshin/agent.py``): a request is a JSON header (``op`` and arguments), a reply a JSON
+(``/run/bunshin/web.sock``) with bunshin's one protocol (``/.bunshin/protocol.py``, shipped
+in the runtime layer): a request is a JSON header (``op`` and arguments), a reply a JSON
 header (``error`` on failure) plus blobs (a screenshot). The controller closes its
 connection before every snapshot; the driver then goes back to ``accept``.
 
 Everything stays CRIU-dumpable: playwright talks to its node driver and node to chromium
 over pipes inside the workspace, and the workspace's PID 1 keeps io_uring out.
+
+Containment. The driver is started as root only to bind its socket in ``/run/bunshin``
+(root's directory, next to the agent's socket); before it starts playwright it becomes
+``--user`` (no supplementary groups, no capabilities, ``no_new_privs``, so not even the
+user's sudo works from a browser process), so node and every chromium process run
+unprivileged. Chromium keeps ``--no-sandbox``: its own sandbox puts the zygote and the
+renderers in nested user and pid namespaces (Debian ships no setuid helper), and CRIU cannot
+checkpoint those (tried: started as ``user`` without ``--no-sandbox`` in a web workspace,
+chromium runs, and the snapshot fails with "Can't dump nested pid namespace"), and the
+contained workspace's seccomp filter refuses new user namespaces (issue 13) in any case. What contains a compromised
+renderer instead is the workspace (its namespaces, reduced capabilities, seccomp filter,
+memory/pids limits, only ``lo``) plus this unprivileged user without new privileges.
+Where the browser may go: only ``about:blank`` and the env's sites (``--allow-origin``).
+The controller refuses other ``goto`` URLs before they reach here; here every URL the
+driver is asked to open is checked again, requests to other origins are aborted by a
+playwright route, and after each action a page that still ended elsewhere (a ``file://``
+link, a redirect) is taken back and the action fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import pwd
+import re
 import sys
 import time
 import traceback
+from urllib.parse import urlsplit
 
 sys.path.insert(0, "/.bunshin")
-from agent import serve_unix  # noqa: E402  (the workspace agent's framing and server loop)
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
+from protocol import serve_unix  # noqa: E402  (bunshin's one wire protocol, from the runtime layer)
 
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -41,8 +62,38 @@ KEYS = {"ctrl": "Control", "control": "Control", "cmd": "Meta", "meta": "Meta", 
         "end": "End"}
 
 
+def origin(url: str) -> str | None:
+    """``scheme://host:port`` of an http(s) URL, else None (the host-side twin is
+    ``bunshin_gym.envs.webarena.actions.origin``; this file runs without bunshin_gym)."""
+    if any(c in url for c in "\\\t\n\r ") or any(ord(c) < 32 for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+        return None
+    scheme = parts.scheme.lower()
+    return f"{scheme}://{parts.hostname.lower()}:{port or (443 if scheme == 'https' else 80)}"
+
+
+def drop_privileges(user: str) -> None:
+    """Become ``user`` for good: its uid and gid, no other group, no capability, and no way
+    back up through a setuid binary (PR_SET_NO_NEW_PRIVS)."""
+    pw = pwd.getpwnam(user)
+    os.setgroups([])
+    os.setgid(pw.pw_gid)
+    os.setuid(pw.pw_uid)
+    if ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0):  # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    os.environ.update(HOME=pw.pw_dir, USER=user, LOGNAME=user)
+    os.chdir(pw.pw_dir if os.path.isdir(pw.pw_dir) else "/tmp")
+
+
 class Driver:
-    def __init__(self, chromium: str, width: int, height: int, timeout_ms: int):
+    def __init__(self, chromium: str, width: int, height: int, timeout_ms: int, origins: list[str] = ()):
+        self.origins = {o for o in (origin(u) for u in origins) if o}
         self.pw = sync_playwright().start()
         self.browser = self.pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
         self.viewport = {"width": width, "height": height}
@@ -61,8 +112,40 @@ class Driver:
         self.context.on("page", lambda page: page.on("dialog", lambda dialog: dialog.accept()))
         self.context.set_default_timeout(self.timeout_ms)
         self.context.set_default_navigation_timeout(max(self.timeout_ms, 15000))
+        if self.origins:
+            # only requests to other origins come up to Python (the pattern is matched in
+            # playwright's node driver), so the site's own pages load at full speed
+            sites = "|".join(re.escape(chromium_prefix(o)) for o in sorted(self.origins))
+            self.context.route(re.compile(rf"^(?!(?:{sites})(?:[/?#]|$))"),
+                               lambda route: route.abort("blockedbyclient"))
         self.context.new_page()
         self.active = 0
+
+    def allowed(self, url: str) -> bool:
+        return url == "about:blank" or not self.origins or origin(url) in self.origins
+
+    def check_url(self, url: str) -> str:
+        if not self.allowed(url):
+            raise ValueError(f"the browser may only open the env's sites ({', '.join(sorted(self.origins))}), "
+                             f"not {url[:200]!r}")
+        return url
+
+    def _pull_back(self) -> None:
+        """Take every page that ended outside the sites back (history, else about:blank);
+        raise for the action that led there."""
+        left = []
+        for page in self.context.pages:
+            if not self.allowed(page.url):
+                left.append(page.url)
+                try:
+                    page.go_back(timeout=5000)
+                except PlaywrightError:
+                    pass
+                if not self.allowed(page.url):
+                    page.goto("about:blank")
+        if left:
+            raise ValueError(f"navigation to {left[0][:200]!r} was blocked: the browser may only open the "
+                             f"env's sites ({', '.join(sorted(self.origins))})")
 
     @property
     def page(self):
@@ -92,12 +175,16 @@ class Driver:
         self._new_context(req.get("storage_state"))
         for i, url in enumerate(req.get("urls") or ["about:blank"]):
             page = self.context.pages[0] if i == 0 else self.context.new_page()
-            page.goto(url)
+            page.goto(self.check_url(url))
         self.active = 0
         self.page.bring_to_front()
         return {}, []
 
     def op_observe(self, req: dict) -> tuple[dict, list]:
+        try:  # a page that went elsewhere by itself (a timed redirect) is never observed there
+            self._pull_back()
+        except ValueError:
+            pass
         page = self.page
         aria = ""
         for attempt in range(4):
@@ -170,7 +257,7 @@ class Driver:
             self.page.bring_to_front()
             return {}, []
         elif kind == "goto":
-            page.goto(req["url"])
+            page.goto(self.check_url(req["url"]))
         elif kind == "go_back":
             page.go_back()
         elif kind == "go_forward":
@@ -178,6 +265,7 @@ class Driver:
         else:
             raise ValueError(f"unknown action kind {kind!r}")
         self._settle(before)
+        self._pull_back()
         return {}, []
 
     def op_evaluate(self, req: dict) -> tuple[dict, list]:
@@ -187,7 +275,7 @@ class Driver:
         page = self.context.new_page() if url else self.page
         try:
             if url:
-                page.goto(url)
+                page.goto(self.check_url(url))
             if req.get("js"):
                 value = page.evaluate(f"() => {req['js']}")
                 text = "" if value is None else (value if isinstance(value, str) else json.dumps(value))
@@ -204,8 +292,24 @@ def _key_combo(combo: str) -> str:
     return "+".join(KEYS.get(p.lower(), p if len(p) > 1 else p) for p in parts)
 
 
-def serve(driver: Driver, path: str) -> None:
+def chromium_prefix(o: str) -> str:
+    """How chromium writes an origin at the start of a URL (no default port)."""
+    for default in ("http://", "https://"):
+        port = ":80" if default == "http://" else ":443"
+        if o.startswith(default) and o.endswith(port):
+            return o[: -len(port)]
+    return o
+
+
+def serve(make_driver, path: str) -> None:
+    """Serve on ``path``; the driver (the browser) is made by ``make_driver()`` on the first
+    request, once the socket is bound, so that a root-started driver binds and then drops."""
+    state = {}
+
     def handle(req: dict, _blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+        if "driver" not in state:
+            state["driver"] = make_driver()
+        driver = state["driver"]
         fn = getattr(driver, "op_" + str(req.get("op")), None)
         try:
             if fn is None:
@@ -232,8 +336,17 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1280)
     ap.add_argument("--height", type=int, default=720)
     ap.add_argument("--timeout-ms", type=int, default=5000)
+    ap.add_argument("--allow-origin", action="append", default=[],
+                    help="a site the browser may open (repeat); none: no restriction")
+    ap.add_argument("--user", help="run the browser as this user (the driver binds its socket first)")
     args = ap.parse_args()
-    serve(Driver(args.chromium, args.width, args.height, args.timeout_ms), args.socket)
+
+    def make_driver() -> Driver:
+        if args.user and os.getuid() == 0:
+            drop_privileges(args.user)
+        return Driver(args.chromium, args.width, args.height, args.timeout_ms, args.allow_origin)
+
+    serve(make_driver, args.socket)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import io
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from bunshin_gym.core.env import ActionError, WorkspaceEnv
-from bunshin_gym.envs.webarena.actions import ActionSyntaxError, parse_action
+from bunshin_gym.core.env import ActionError, WorkspaceEnv, blank_observation, check_text, printable
+from bunshin_gym.envs.webarena.actions import ActionSyntaxError, URLRefused, check_url, parse_action
 from bunshin_gym.envs.webarena.browser import SOCKET, BrowserClient, DriverError
 from bunshin_gym.envs.webarena.observation import Target, find_element, parse_aria, render_tree, tabs_line
 from bunshin_gym.envs.webarena.tasks import WebArenaTask, load_task, placeholder
@@ -42,8 +43,11 @@ from bunshin_gym.workspace.errors import WorkspaceError
 
 DRIVER_SOURCE = Path(__file__).with_name("driver.py")
 DRIVER_PATH = "/var/lib/bunshin-web/driver.py"
+#: the user chromium and its playwright driver run as (unprivileged; see driver.py)
+BROWSER_USER = "user"
 CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
 MAX_TEXT = 400_000
+MAX_ACTION = 8192
 
 
 @dataclass
@@ -119,7 +123,7 @@ class WebArenaEnv(WorkspaceEnv):
         if screenshot:
             obs["screenshot"] = spaces.Box(0, 255, (self.viewport[1], self.viewport[0], 3), np.uint8)
         self.observation_space = spaces.Dict(obs)
-        self.action_space = spaces.Text(8192, min_length=1, charset=CHARSET)
+        self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
         self._client: BrowserClient | None = None
         self._clear_episode()
 
@@ -153,8 +157,10 @@ class WebArenaEnv(WorkspaceEnv):
         for name, site in self.sites.items():
             self._wait_http(ws, name, site)
         ws.write_file(DRIVER_PATH, DRIVER_SOURCE.read_bytes())
-        ws.spawn(["python3", DRIVER_PATH, "--socket", SOCKET, "--chromium", self.chromium,
-                  "--width", str(self.viewport[0]), "--height", str(self.viewport[1]),
+        # started as root to bind its socket next to the agent's; the browser runs as `user`
+        origins = [a for s in self.sites.values() for a in ("--allow-origin", s.url)]
+        ws.spawn(["python3", DRIVER_PATH, "--socket", SOCKET, "--chromium", self.chromium, "--user", BROWSER_USER,
+                  *origins, "--width", str(self.viewport[0]), "--height", str(self.viewport[1]),
                   "--timeout-ms", str(int(self.action_timeout * 1000))], log="/var/log/bunshin-web-driver.log")
         try:
             self.browser.wait_ready(self.boot_timeout)
@@ -192,8 +198,11 @@ class WebArenaEnv(WorkspaceEnv):
     def execute(self, action: Any) -> dict:
         self._last_error = ""
         try:
+            check_text(action, what="a WebArena action", max_bytes=4 * MAX_ACTION)
+            if len(action) > MAX_ACTION:
+                raise ActionError(f"a WebArena action is {len(action)} characters, over the limit of {MAX_ACTION}")
             act = parse_action(action)
-        except ActionSyntaxError as e:
+        except (ActionSyntaxError, ActionError) as e:
             return self._fail(str(e))
         if act.kind == "stop":
             self.answer = act.answer
@@ -213,7 +222,10 @@ class WebArenaEnv(WorkspaceEnv):
             req.update(text=act.text, enter=act.enter)
         req.update(key=act.key, direction=act.direction, index=act.index)
         if act.url is not None:
-            req["url"] = self._resolve_url(act.url)
+            try:
+                req["url"] = check_url(self._resolve_url(act.url), list(self.site_urls.values()))
+            except URLRefused as e:
+                return self._fail(f"{act.raw}: refused: {e}")
         try:
             self.browser.request(req)
         except DriverError as e:
@@ -221,8 +233,13 @@ class WebArenaEnv(WorkspaceEnv):
         return {"action": act.raw}
 
     def _fail(self, message: str) -> dict:
-        self._last_error = message
+        self._last_error = printable(message)
         raise ActionError(message)
+
+    def error_observation(self, message: str) -> dict:
+        obs = blank_observation(self.observation_space)
+        obs.update(instruction=self.task.instruction if self.task else "", last_action_error=message)
+        return obs
 
     def _target(self, element: str) -> Target:
         if element.isdigit():
@@ -238,7 +255,9 @@ class WebArenaEnv(WorkspaceEnv):
     def _resolve_url(self, url: str) -> str:
         for ph, site_url in self.site_urls.items():
             url = url.replace(ph, site_url)
-        if "://" not in url and not url.startswith(("about:", "data:")):
+        # a bare host[:port][/path] gets http://; a URL with a scheme (file:, data:, ...) stays
+        # as it is, for check_url to refuse by name
+        if "://" not in url and not re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:(?!\d)", url):
             url = "http://" + url
         return url
 

@@ -17,6 +17,13 @@ every evaluator named in ``eval_types`` and of every check inside one.
   ``exact_match`` or ``must_include`` (each item may list alternatives with `` |OR| ``).
   ``func:shopping_get_latest_order_url()`` as url is supported (the newest order of the
   signed-in customer, read from the order history page).
+
+Reward integrity: every comparison runs here, on the host. What the browser supplies (the
+current URL, a locator's value, a page's HTML) is read through the driver inside the
+workspace, because it is the very state being scored (the shop's pages and database). A
+web policy cannot tamper with that reading: its actions are browser actions only (no shell,
+so no way to replace the driver, chromium or the shop's python3), and its browser cannot
+open local files or other local services (``driver.py``, ``actions.check_url``).
 """
 
 from __future__ import annotations

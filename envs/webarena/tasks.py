@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.core.task import Task, TaskError
+from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
 from bunshin_gym.envs.webarena import evaluators
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -45,11 +45,20 @@ class WebArenaTask(Task):
         site_urls: placeholder -> URL of the site in the workspace.
     """
 
-    def __init__(self, config: dict, site_urls: dict[str, str]):
+    def __init__(self, config: dict, site_urls: dict[str, str], source: str | None = None):
+        config = check_config(config, f"WebArena task {source or ''}".strip())
+        where = f"WebArena task {config.get('task_id', '?')!r:.80}" + (f" ({source})" if source else "")
         missing = [k for k in REQUIRED if k not in config]
         if missing:
-            raise TaskError(f"WebArena task {config.get('task_id', '?')}: missing keys {missing}")
-        super().__init__(f"webarena/{config['task_id']}", config["intent"], int(config.get("max_steps", 30)), config)
+            raise TaskError(f"{where}: missing keys {missing}")
+        task_id = field(config, "task_id", (int, str), where, required=True)
+        intent = field(config, "intent", str, where, required=True)
+        field(config, "sites", list, where, required=True, items=str)
+        field(config, "start_url", str, where, required=True)
+        field(config, "eval", dict, where, required=True)
+        field(config["eval"], "eval_types", list, f"{where}: eval", items=str)
+        field(config, "oracle", list, where, items=str)
+        super().__init__(f"webarena/{task_id}", intent, check_max_steps(config.get("max_steps", 30), where), config)
         self.site_urls = dict(site_urls)
         for site in config["sites"]:
             if placeholder(site) not in self.site_urls:
@@ -103,13 +112,13 @@ def load_config(spec: Any) -> dict:
         return spec
     text = str(spec)
     if text.endswith(".json") and Path(text).exists():
-        return json.loads(Path(text).read_text())
+        return read_task_file(text)
     key = text.removeprefix("webarena/")
     path = _shipped_index().get(key)
     if path is None:
         raise TaskError(f"no WebArena task {spec!r}: give a config dict, a JSON path or one of the shipped ids "
                         f"({', '.join(shipped_task_ids()[:5])}, ... {len(_shipped_index())} in all)")
-    return json.loads(path.read_text())
+    return read_task_file(path)
 
 
 def load_task(spec: Any, site_urls: dict[str, str]) -> WebArenaTask:

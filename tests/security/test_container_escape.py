@@ -161,3 +161,14 @@ def test_containment_survives_snapshot_and_fork(fresh_ws, syscall_probe, mode):
     finally:
         clone.close()
         snap.release()
+
+
+def test_devices_cgroup_allows_only_the_workspace_devices(ws):
+    from bunshin_gym.workspace.cgroups import CGROOT, unified
+
+    if unified():
+        pytest.skip("cgroup v2 host: no v1 devices controller (the user namespace keeps devices out)")
+    rules = (CGROOT / "devices" / "bunshin" / ws.id / "devices.list").read_text().split("\n")
+    assert "a *:* rwm" not in rules and not any(r.startswith("b ") for r in rules), rules
+    assert "c 1:3 rwm" in rules  # /dev/null still works
+    assert ws.exec("echo x > /dev/null && head -c 1 /dev/zero | wc -c", check=True).text.strip() == "1"

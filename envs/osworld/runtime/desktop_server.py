@@ -4,8 +4,8 @@ Started at boot as user ``user`` with ``DISPLAY=:0``; listens on the unix socket
 ``/tmp/.bunshin/desktop.sock``. It holds one X connection (through the ``pyautogui`` module,
 bunshin's python-xlib implementation), so an action costs a socket round trip plus the X
 requests, not a process start. Framing as the workspace agent: a 4-byte big-endian header
-length, a JSON header, then the blobs whose lengths the header lists under ``"_blobs"`` (the
-agent's own ``send_msg``/``recv_msg``, imported from ``/.bunshin/agent.py``).
+length, a JSON header, then the blobs whose lengths the header lists under ``"_blobs"``
+(bunshin's one protocol module, ``/.bunshin/protocol.py`` from the runtime layer).
 
 Requests (one reply each; a failed action answers ``{"error": ...}`` and the server goes on):
     {"op": "ping"}
@@ -29,9 +29,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(1, "/.bunshin")  # the workspace agent's framing, from the runtime layer
+sys.path.insert(1, "/.bunshin")  # bunshin's wire protocol, from the runtime layer
 import pyautogui  # noqa: E402 - bunshin's shim, installed beside this file and in dist-packages
-from agent import serve_unix  # noqa: E402
+from protocol import serve_unix  # noqa: E402
 
 SOCKET_PATH = "/tmp/.bunshin/desktop.sock"
 

@@ -1,0 +1,650 @@
+"""Faults injected into snapshots, forks and rollbacks (issue 14), on real workspaces and real
+CRIU: a failed freeze, a controller or CRIU killed mid-dump or mid-restore, failed rollbacks,
+corrupt images, a dead uffd monitor, a full disk, a workspace killed mid-request, and tasks
+frozen where CRIU cannot seize them. Each test states the behaviour it checks; each fails
+without the handling it checks (the comments say what happened before)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, leftovers
+from fork_programs import host
+
+from bunshin_gym.config import paths
+from bunshin_gym.workspace import Workspace, WorkspaceClosed, WorkspaceError, dumping, gc, integrity, records, uffd
+from bunshin_gym.workspace import snapshot as snapshot_mod
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.errors import ForkError, SnapshotError
+from bunshin_gym.workspace.snapshot import SnapshotStore
+
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /run/counter; sleep 0.05; done"
+#: a process holding ~MB of distinct pages, so that a dump takes long enough to be interrupted
+HOLD = "import os, sys, time\nb = bytearray(os.urandom(1 << 20)) * {mb}\nopen('/tmp/hold.ready', 'w').close()\n" \
+       "time.sleep(1e6)\n"
+
+
+# helpers -------------------------------------------------------------------------------
+def _snap_dirs() -> set[str]:
+    return set(os.listdir(paths().snapshots))
+
+
+@pytest.fixture
+def made(monkeypatch) -> list[Path]:
+    """The snapshot directories this process's snapshots make (other sessions snapshot on this
+    host at the same time, so a test looks at its own only)."""
+    made: list[Path] = []
+    real = dumping.in_progress
+
+    def spy(path: Path, ws_id: str):
+        made.append(path)
+        return real(path, ws_id)
+
+    monkeypatch.setattr(dumping, "in_progress", spy)
+    return made
+
+
+def _none_left(made: list[Path]) -> None:
+    assert made, "no snapshot was attempted"
+    left = [p.name for p in made if p.exists()]
+    assert not left, f"failed snapshots left their directories: {left}"
+
+
+def _left_by(ws: Workspace, before: set[str]) -> set[str]:
+    """Snapshot directories made since ``before`` by (another process's) snapshot of ``ws``."""
+    left = set()
+    for name in _snap_dirs() - before:
+        d = paths().snapshots / name
+        try:
+            meta = (d / "meta.json").read_text()
+        except FileNotFoundError:
+            meta = None
+        if meta is not None:
+            mine = f'"workspace": "{ws.id}"' in meta
+        else:
+            mine = dumping.state(d)[1] == ws.id
+        if mine:
+            left.add(name)
+    return left
+
+
+def _criu(kind: str, needle: str) -> list[int]:
+    """Pids of ``criu <kind>`` processes with an argument that contains ``needle`` (for a dump:
+    whose ``-t`` is ``needle``): other sessions run CRIU on this host too."""
+    criu = str(paths().criu)
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if args[0] != criu or kind not in args:
+            continue
+        if kind == "dump" and "-t" in args and args[args.index("-t") + 1] == needle \
+                or kind != "dump" and any(needle in a for a in args):
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_for(what, timeout: float = 60.0, step: float = 0.001):
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(step)
+    return got
+
+
+def _counter(ws: Workspace) -> int:
+    return int(ws.read_file("/run/counter").decode().strip() or 0)
+
+
+def _assert_runs_on(ws: Workspace) -> None:
+    """Thawed and running: the counter loop advances and the agent answers."""
+    assert not host.frozen(ws), f"{ws.id} was left frozen"
+    before = _counter(ws)
+    _wait_for(lambda: _counter(ws) > before, timeout=10, step=0.02)
+    assert ws.exec("echo ok").text == "ok\n"
+
+
+def _procs(ws: Workspace) -> set[str]:
+    """The workspace's processes ('pid ppid comm args'), less the counter's short-lived sleeps."""
+    return {r for r in host.proc_tree(ws) if not r.endswith(("sleep 0.05", "[sleep] <defunct>"))}
+
+
+def _prepare(ws: Workspace, hold_mb: int = 0) -> set[str]:
+    """Start the counter (and a memory holder); the workspace's processes as 'pid comm'."""
+    ws.spawn(["sh", "-c", COUNTER])
+    ws.write_file("/root/kept", "kept\n")
+    if hold_mb:
+        ws.spawn(["python3", "-c", HOLD.format(mb=hold_mb)])
+        host.wait_file(ws, "/tmp/hold.ready", timeout=120)
+    host.wait_file(ws, "/run/counter")
+    return _procs(ws)
+
+
+def _controller(code: str) -> subprocess.Popen:
+    """A separate controller process running ``code`` (a test kills it with SIGKILL)."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# 1. the freeze fails ---------------------------------------------------------------------
+def test_a_failed_freeze_thaws_the_source(fresh_ws, made, monkeypatch):
+    """Before: the freeze sat outside the try that thaws, so a freeze that timed out left the
+    source frozen for good."""
+    ws = fresh_ws
+    procs = _prepare(ws)
+    real = Cgroup.freeze
+
+    def freeze_then_time_out(self, timeout=10.0):
+        real(self, timeout)  # the tasks are frozen, then the wait "times out"
+        raise WorkspaceError(f"cgroup {self.name}: not frozen after {timeout}s (injected)")
+
+    monkeypatch.setattr(Cgroup, "freeze", freeze_then_time_out)
+    with pytest.raises(WorkspaceError, match="injected"):
+        ws.snapshot()
+    monkeypatch.undo()
+    _assert_runs_on(ws)
+    assert _procs(ws) == procs
+    _none_left(made)
+
+
+# 2. the controller is SIGKILLed during a dump -------------------------------------------
+def test_gc_spares_a_running_dump_and_thaws_the_source_a_killed_controller_left_frozen():
+    """The controller dies mid-dump; its CRIU runs on. While CRIU runs, gc neither sweeps the
+    snapshot directory nor thaws; once CRIU is done, gc thaws the (detached) source, which
+    CRIU left frozen as it found it, and removes the half-made snapshot. Before: gc thawed
+    nothing (a detached source stayed frozen forever) and swept an incomplete directory by
+    age alone, a dump in progress included."""
+    ws = Workspace.create("base", detached=True)
+    ctl = criu = None
+    try:
+        procs = _prepare(ws, hold_mb=150)
+        before = _snap_dirs()
+        ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
+        ctl = _controller(f"""
+            from bunshin_gym.workspace import Workspace
+            Workspace.attach({ws.id!r}).snapshot()
+        """)
+        (criu,) = _wait_for(lambda: _criu("dump", str(ws.pid)))
+        os.kill(criu, signal.SIGSTOP)  # hold CRIU mid-dump (a slow dump, deterministically)
+        ctl.kill()
+        ctl.wait()
+        (snap_id,) = _left_by(ws, before)
+        d = paths().snapshots / snap_id
+        assert dumping.state(d) == ("running", ws.id), "CRIU does not hold the in-progress lock"
+        os.utime(d, (time.time() - 3600, time.time() - 3600))  # old enough for the age rule, too
+        rep = gc.collect()
+        assert snap_id not in rep.snapshots and d.is_dir(), "gc swept a snapshot whose dump is running"
+        assert ws.id not in rep.thawed
+
+        os.kill(criu, signal.SIGCONT)
+        _wait_for(lambda: not records.process_alive(criu, records.proc_start_time(criu)), timeout=120, step=0.02)
+        assert host.frozen(ws), "expected CRIU to leave the source frozen, as it found it"
+        assert not (d / "meta.json").exists()
+        rep = gc.collect()
+        assert ws.id in rep.thawed and snap_id in rep.snapshots
+        assert not d.exists()
+        _assert_runs_on(ws)
+        assert _procs(ws) == procs
+        assert ws.id not in rep.workspaces and records.load(ws.id).running()
+    finally:
+        if criu is not None:
+            try:
+                os.kill(criu, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        ws.close()
+
+
+# 3. CRIU is killed during a dump and during a restore -----------------------------------
+@pytest.mark.parametrize("delay", [0.0, 0.3])
+def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws, made, delay):
+    """The source is thawed, its processes and files unchanged, nothing of the snapshot is
+    left, and the next snapshot and fork work (the parasite left nothing that breaks)."""
+    ws = fresh_ws
+    procs = _prepare(ws, hold_mb=150)
+    state = host.fs_state(ws)
+    errors: list[BaseException] = []
+
+    def take():
+        try:
+            ws.snapshot()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    t = threading.Thread(target=take)
+    t.start()
+    (criu,) = _wait_for(lambda: _criu("dump", str(ws.pid)))
+    time.sleep(delay)
+    os.kill(criu, signal.SIGKILL)
+    t.join(120)
+    assert errors and isinstance(errors[0], ForkError), errors
+    assert "CRIU dump" in str(errors[0]) and ws.id in str(errors[0])
+    _assert_runs_on(ws)
+    assert _procs(ws) == procs
+    assert host.fs_state(ws) == state
+    _none_left(made)
+    snap = ws.snapshot()
+    try:
+        (clone,) = snap.fork(1)
+        assert clone.read_file("/root/kept") == b"kept\n"
+        clone.close()
+    finally:
+        snap.delete()
+
+
+def test_criu_killed_during_a_restore_reclaims_the_clone(fresh_ws):
+    ws = fresh_ws
+    _prepare(ws, hold_mb=100)
+    snap = ws.snapshot()
+    try:
+        errors: list[BaseException] = []
+        mine_before = {r.id for r in records.all_records() if r.snapshot == snap.id}
+
+        def fork():
+            try:
+                snap.fork(1)
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        t = threading.Thread(target=fork)
+        t.start()
+        (criu,) = _wait_for(lambda: _criu("restore", snap.id))
+        os.kill(criu, signal.SIGKILL)
+        t.join(120)
+        assert errors and isinstance(errors[0], ForkError), errors
+        assert {r.id for r in records.all_records() if r.snapshot == snap.id} == mine_before
+        _assert_runs_on(ws)
+        (clone,) = snap.fork(1)  # the snapshot is unharmed
+        assert clone.read_file("/root/kept") == b"kept\n"
+        clone.close()
+    finally:
+        snap.delete()
+
+
+def test_gc_reclaims_a_detached_half_restored_clone_whose_controller_was_killed(fresh_ws):
+    """Controller and CRIU both killed mid-restore of a detached clone (no owner): before, its
+    record (no PID 1, no owner) was never reclaimed."""
+    ws = fresh_ws
+    _prepare(ws, hold_mb=100)
+    snap = ws.snapshot()
+    ctl = None
+    try:
+        ctl = _controller(f"""
+            from bunshin_gym.workspace.snapshot import SnapshotStore
+            SnapshotStore().get({snap.id!r}).fork(1, detached=True)
+        """)
+        (criu,) = _wait_for(lambda: _criu("restore", snap.id))
+        ctl.kill()
+        os.kill(criu, signal.SIGKILL)
+        ctl.wait()
+        (rec,) = [r for r in records.all_records() if r.builder == ctl.pid]
+        assert rec.owner is None and rec.pid1 is None and rec.abandoned()
+        rep = gc.collect()
+        assert rec.id in rep.workspaces
+        assert not any(leftovers({rec.id}).values()), leftovers({rec.id})
+        _assert_runs_on(ws)
+    finally:
+        if ctl is not None and ctl.poll() is None:
+            ctl.kill()
+        gc.collect()
+        snap.delete()
+
+
+# 4. rollback failures leave the workspace as it was --------------------------------------
+def _changed(ws: Workspace) -> tuple[int, str, set[str]]:
+    """Change the workspace after its snapshot: (pid1, fs state, processes) to keep."""
+    ws.write_file("/root/after", "after\n")
+    ws.spawn(["sleep", "1000"])
+    return ws.pid, host.fs_state(ws), _procs(ws)
+
+
+def _as_it_was(ws: Workspace, kept: tuple[int, str, set[str]]) -> None:
+    pid1, state, procs = kept
+    assert ws.pid == pid1 and records.load(ws.id).pid1 == pid1
+    _assert_runs_on(ws)
+    assert host.fs_state(ws) == state
+    assert _procs(ws) == procs
+
+
+def test_a_rollback_to_a_deleted_snapshot_changes_nothing(fresh_ws):
+    """Before: the processes and the upper layer were removed, then the restore failed."""
+    ws = fresh_ws
+    _prepare(ws)
+    snap = ws.snapshot()
+    kept = _changed(ws)
+    snap.delete()
+    with pytest.raises(SnapshotError, match=snap.id):
+        ws.rollback(snap)
+    _as_it_was(ws, kept)
+
+
+def test_a_rollback_to_a_corrupt_snapshot_changes_nothing(fresh_ws):
+    ws = fresh_ws
+    _prepare(ws)
+    snap = ws.snapshot()
+    try:
+        kept = _changed(ws)
+        pages = max(snap.criu_dir.glob("pages-*.img"), key=lambda f: f.stat().st_size)
+        with open(pages, "r+b") as f:
+            f.seek(pages.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(SnapshotError, match=f"{snap.id}.*{pages.name}"):
+            ws.rollback(snap)
+        _as_it_was(ws, kept)
+    finally:
+        snap.delete()
+
+
+def test_a_rollback_whose_restore_fails_changes_nothing(fresh_ws, monkeypatch):
+    """CRIU itself fails mid-restore (an image it cannot read, in a snapshot without sums),
+    then a full disk when the files are laid: each time the workspace runs on as it was."""
+    ws = fresh_ws
+    _prepare(ws)
+    snap = ws.snapshot()
+    try:
+        kept = _changed(ws)
+        del snap.meta["checksums"]  # an unverifiable (older) snapshot: CRIU meets the damage
+        core = next(snap.criu_dir.glob("core-*.img"))
+        os.truncate(core, 8)
+        integrity.forget(snap.criu_dir)
+        with pytest.raises(ForkError, match="CRIU restore"):
+            ws.rollback(snap)
+        _as_it_was(ws, kept)
+
+        def disk_full(src, dst, readonly=False):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(dst))
+
+        monkeypatch.setattr(snapshot_mod.pool, "snapshot_subvolume", disk_full)
+        with pytest.raises(OSError, match="injected"):
+            ws.rollback(snap)
+        monkeypatch.undo()
+        _as_it_was(ws, kept)
+        assert not [r for r in records.all_records() if r.snapshot == snap.id], "a temporary record is left"
+    finally:
+        snap.delete()
+
+
+def test_a_good_rollback_swaps_in_place_and_leaks_nothing(fresh_ws):
+    """The swap itself: same handle and id, the snapshot's state, the old processes, subvolume
+    and cgroup gone, the new ones named by the workspace's record (gc keeps them)."""
+    ws = fresh_ws
+    _prepare(ws)
+    snap = ws.snapshot()
+    try:
+        old_pid1, old_start, old_sub, old_cg = ws.pid, ws._rec.pid1_start, ws._rec.subvolume, ws._rec.cgroup
+        ws.write_file("/root/after", "after\n")
+        ws.rollback(snap)
+        assert ws.pid != old_pid1 and not records.process_alive(old_pid1, old_start)
+        assert not Path(old_sub).exists() and not Cgroup(old_cg).exists()
+        assert ws.exec("cat /root/kept; test -e /root/after || echo gone").text == "kept\ngone\n"
+        rep = gc.collect()
+        assert ws.id not in rep.workspaces and Path(ws._rec.subvolume).name not in rep.subvolumes
+        assert ws._rec.cgroup not in rep.cgroups
+        _assert_runs_on(ws)
+        ws.rollback(snap)  # twice: the swap works from a swapped-in state too
+        _assert_runs_on(ws)
+    finally:
+        ws.close()
+        snap.delete()
+
+
+# 5. corrupt snapshots ----------------------------------------------------------------------
+def test_a_truncated_or_altered_page_image_is_refused_naming_the_snapshot(fresh_ws):
+    ws = fresh_ws
+    _prepare(ws)
+    snap = ws.snapshot()
+    try:
+        sums = snap.meta["checksums"]
+        assert any(n.startswith("pages-") for n in sums) and "inventory.img" in sums
+        pages = max(snap.criu_dir.glob("pages-*.img"), key=lambda f: f.stat().st_size)
+        good = pages.read_bytes()
+        os.truncate(pages, len(good) - 4096)  # a page missing: never served as zeros
+        with pytest.raises(SnapshotError, match=f"snapshot {snap.id} is corrupt: image {pages.name}"):
+            snap.fork(1)
+        pages.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])  # same size, one bit
+        with pytest.raises(SnapshotError, match=f"snapshot {snap.id} .*{pages.name} does not match"):
+            SnapshotStore().get(snap.id).fork(1)
+        pages.unlink()
+        with pytest.raises(SnapshotError, match=f"{pages.name} is missing"):
+            snap.fork(1)
+        pages.write_bytes(good)  # mended: verified again (new mtime), accepted
+        (clone,) = snap.fork(1)
+        assert clone.read_file("/root/kept") == b"kept\n"
+        clone.close()
+        assert not [r for r in records.all_records() if r.snapshot == snap.id]
+    finally:
+        snap.delete()
+
+
+@pytest.mark.slow
+def test_checksum_cost_on_a_300_mb_snapshot(fresh_ws):
+    """Measured, printed: the sums at take, a first verification (cold cache of this process)
+    and a later one (the per-process cache: a stat per image)."""
+    ws = fresh_ws
+    _prepare(ws, hold_mb=300)
+    snap = ws.snapshot()
+    try:
+        size = snap.size()
+        assert size > 300 << 20
+        integrity.forget(snap.criu_dir)
+        t = time.perf_counter()
+        snapshot_mod.verify(snap)
+        cold = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(100):
+            snapshot_mod.verify(snap)
+        warm = (time.perf_counter() - t) / 100
+        print(f"\n{size >> 20} MB of images: sums at take {snap.meta['timings']['checksum_ms']:.0f} ms, "
+              f"first verify {cold * 1e3:.0f} ms, cached verify {warm * 1e6:.0f} us "
+              f"(dump {snap.meta['timings']['dump_ms']:.0f} ms)")
+        assert warm < 0.01
+    finally:
+        snap.delete()
+
+
+# 6. both halves of a uffd monitor die -----------------------------------------------------
+@pytest.mark.skipif(not uffd.available(), reason="userfaultfd minor faults on shmem unavailable")
+def test_a_clone_whose_monitor_died_entirely_is_stopped_at_its_next_use():
+    """Guard and worker die together, so nothing inside stops the clone: its next request
+    (check() for envs, which some steps bypass) reports it and stops it."""
+    ws = Workspace.create("base", memory_mode="share")
+    snap = clone = None
+    try:
+        _prepare(ws)
+        snap = ws.snapshot()
+        (clone,) = snap.fork(1)
+        u = dict(clone._rec.extra["uffd"])
+        pids = clone.pids()
+        os.kill(u["guard"], signal.SIGKILL)
+        os.kill(u["worker"], signal.SIGKILL)
+        _wait_for(lambda: not uffd.monitor_alive(clone._rec), timeout=10)
+        with pytest.raises(WorkspaceClosed, match="uffd monitor"):
+            clone.check()
+        _wait_for(lambda: not any(records.process_alive(q, records.proc_start_time(q)) for q in pids),
+                  timeout=10, step=0.02)
+        with pytest.raises(WorkspaceClosed, match="uffd monitor"):
+            clone.exec("true")
+        _assert_runs_on(ws)
+    finally:
+        if clone is not None:
+            clone.close()
+        ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+# 7. the disk fills ------------------------------------------------------------------------
+def test_a_full_disk_during_the_dump_leaves_no_snapshot_and_the_source_running(fresh_ws, made, monkeypatch):
+    """CRIU writes the images into a 1 MiB filesystem: a real ENOSPC mid-dump."""
+    ws = fresh_ws
+    procs = _prepare(ws, hold_mb=20)
+    mounted: list[Path] = []
+
+    def small_images_dir(criu_dir: Path) -> None:
+        criu_dir.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "faults-full", str(criu_dir)], check=True)
+        mounted.append(criu_dir)
+
+    monkeypatch.setattr(snapshot_mod, "_make_images_dir", small_images_dir)
+    try:
+        with pytest.raises(ForkError, match="CRIU dump") as ei:
+            ws.snapshot()
+        log = Path(str(ei.value).rsplit("log: ", 1)[1])
+        assert "No space left" in log.read_text(errors="replace") or "ENOSPC" in log.read_text(errors="replace")
+        d = mounted[0].parent
+        assert not (d / "meta.json").exists() and d.name not in {s.id for s in SnapshotStore().list()}
+        with pytest.raises(SnapshotError):
+            SnapshotStore().get(d.name)
+    finally:
+        for m in mounted:
+            subprocess.run(["umount", "-l", str(m)], check=False)
+            shutil.rmtree(m.parent, ignore_errors=True)
+    monkeypatch.undo()
+    _assert_runs_on(ws)
+    assert _procs(ws) == procs
+    _none_left(made)
+
+
+def test_a_full_disk_during_the_metadata_write_leaves_no_snapshot(fresh_ws, made, monkeypatch):
+    """The meta.json write fails with ENOSPC after its temporary file was (partly) written.
+    Before: the directory stayed, without meta.json, until gc's age rule."""
+    ws = fresh_ws
+    procs = _prepare(ws)
+    real_replace = os.replace
+
+    def replace(src, dst, **kw):
+        if str(dst).endswith("/meta.json") and str(paths().snapshots) in str(dst):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(dst))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(snapshot_mod.os, "replace", replace)
+    with pytest.raises(OSError, match="injected"):
+        ws.snapshot()
+    monkeypatch.undo()
+    _none_left(made)
+    _assert_runs_on(ws)
+    assert _procs(ws) == procs
+
+
+# 8. a workspace killed mid-request --------------------------------------------------------
+def test_a_workspace_killed_mid_exec_raises_workspace_closed(fresh_ws):
+    """Before: a bare 'cannot reach the agent' channel error, indistinguishable from a slow
+    agent; now WorkspaceClosed saying the workspace's processes were killed."""
+    ws = fresh_ws
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            ws.exec("sleep 60")
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    idle = len(ws.pids())
+    t = threading.Thread(target=run)
+    t.start()
+    _wait_for(lambda: len(ws.pids()) > idle, timeout=10, step=0.02)  # the command runs
+    time.sleep(0.2)
+    ws.cgroup.kill_all()
+    t.join(30)
+    assert errors and isinstance(errors[0], WorkspaceClosed), errors
+    assert "killed" in str(errors[0]) and ws.id in str(errors[0])
+    with pytest.raises(WorkspaceClosed):
+        ws.check()
+
+
+# 9. tasks frozen where CRIU cannot seize them ---------------------------------------------
+VFORK_LOOP = "import subprocess\nwhile True:\n    subprocess.run(['true'])\n"
+SLEEP_LOOP = "#!/bin/bash\nwhile true; do sleep 1; done\n"
+
+
+def test_a_vfork_parent_is_seen_and_frozen_past(fresh_ws):
+    """The mechanism, fast: freezing a vfork loop often catches a vfork parent (wchan
+    kernel_clone / wait_for_vfork_done), which dumping.unseizable names; the snapshot's freeze
+    thaws and refreezes until there is none."""
+    ws = fresh_ws
+    ws.spawn(["python3", "-c", VFORK_LOOP])
+    time.sleep(0.3)
+    seen = 0
+    for _ in range(40):
+        ws.cgroup.freeze()
+        seen += bool(dumping.unseizable(ws.pids()))
+        ws.cgroup.thaw()
+        time.sleep(0.002)
+    assert seen, "40 freezes never caught a vfork parent"
+    for _ in range(10):
+        snapshot_mod._freeze_seizable(ws.cgroup, ws.id)
+        try:
+            assert not dumping.unseizable(ws.pids())
+        finally:
+            ws.cgroup.thaw()
+    print(f"\nvfork parent frozen in {seen} of 40 freezes")
+
+
+@pytest.mark.slow
+def test_snapshots_succeed_while_tasks_vfork_and_loop_under_cpu_load(fresh_ws):
+    """A process spawning through vfork (Python's subprocess) is often frozen as a vfork parent,
+    in uninterruptible sleep (state D) until its child execs, which CRIU's seize stops first:
+    CRIU then timed out ("Timeout reached", "Unseizable non-zombie ... state D") in about 1
+    snapshot of 3 here. Now 20 of 20 succeed, beside busy loops, with the set-up's
+    ``nohup ./my_process.sh &`` loops running too."""
+    ws = fresh_ws
+    ws.write_file("/root/my_process.sh", SLEEP_LOOP, mode=0o755)
+    for _ in range(3):
+        ws.exec("cd /root && nohup ./my_process.sh > /dev/null 2>&1 &")
+    ws.spawn(["python3", "-c", VFORK_LOOP])
+    ws.spawn(["sh", "-c", "while :; do :; done"])  # a busy loop inside
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]  # and beside
+    try:
+        time.sleep(0.5)
+        frozen_ms, tries = [], []
+        for _ in range(20):
+            snap = ws.snapshot()  # raises on a failure
+            frozen_ms.append(snap.meta["timings"]["frozen_ms"])
+            tries.append(snap.meta["timings"]["dump_tries"])
+            snap.delete()
+        print(f"\n20 snapshots, frozen ms: median {sorted(frozen_ms)[10]:.0f}, max {max(frozen_ms):.0f}; "
+              f"dump tries {tries}")
+        assert ws.exec("pgrep -c -x my_process.sh").text.strip() == "3"
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+
+
+@pytest.mark.slow
+def test_the_seize_retry_gets_past_a_task_criu_cannot_seize(fresh_ws, monkeypatch):
+    """With the freeze's own check off (so a vfork parent reaches CRIU, which then fails after
+    its 10 s seize timeout), a failed seize is retried with a fresh freeze and dump instead of
+    failing the snapshot. A vfork parent is met in ~40% of freezes here: 10 snapshots meet one
+    with probability 1 - 0.6^10 > 99%."""
+    ws = fresh_ws
+    ws.spawn(["python3", "-c", VFORK_LOOP])
+    time.sleep(0.5)
+    monkeypatch.setattr(dumping, "unseizable", lambda pids: [])
+    monkeypatch.setenv("BUNSHIN_DUMP_TRIES", "8")
+    tries = []
+    for _ in range(10):
+        snap = ws.snapshot()  # raises if every try failed
+        tries.append(snap.meta["timings"]["dump_tries"])
+        snap.delete()
+        if max(tries) > 1:
+            break
+    print(f"\ndump tries per snapshot: {tries}")
+    assert max(tries) > 1, "no dump met an unseizable task: the retry was not exercised"

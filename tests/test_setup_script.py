@@ -1,0 +1,101 @@
+"""Set-up's shell helpers (scripts/lib/host.sh, scripts/setup.sh) under the shell options
+set-up runs with, without needing a fresh machine: the package detection runs against an
+empty dpkg database (a fresh machine's view: nothing installed), the ERR trap against a
+failing command, the archive lookup with and without ``BUNSHIN_MIRROR``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HOST_SH = REPO / "scripts" / "lib" / "host.sh"
+SETUP_SH = REPO / "scripts" / "setup.sh"
+#: the detection line set-up used before it moved into missing_packages (issue 14)
+OLD_DETECTION = ("missing=$(dpkg-query -W -f='${db:Status-Abbrev} ${Package}\\n' $PKGS 2>/dev/null "
+                 "| awk '$1!=\"ii\"{print $2}')")
+NOT_A_PACKAGE = "bunshin-no-such-package"
+
+
+def bash(script: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **env})
+
+
+@pytest.fixture
+def empty_dpkg_db(tmp_path: Path) -> Path:
+    """A dpkg database in which nothing is installed (an empty ``status`` file)."""
+    (tmp_path / "status").write_text("")
+    (tmp_path / "updates").mkdir()
+    return tmp_path
+
+
+def test_missing_packages_lists_everything_on_an_empty_db_under_set_e_and_pipefail(empty_dpkg_db):
+    res = bash(f"set -Eeuo pipefail\nsource {HOST_SH}\n"
+               f"missing=$(missing_packages --admindir {empty_dpkg_db} gcc tar)\necho \"missing:$missing\"")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("missing:", 1)[1].split() == ["gcc", "tar"]
+
+
+def test_missing_packages_lists_only_the_missing_ones_of_the_real_db():
+    installed = ["dpkg", "bash", "coreutils"]  # every Debian system has them
+    for p in installed:
+        assert subprocess.run(["dpkg-query", "-W", p], capture_output=True).returncode == 0
+    res = bash(f"set -Eeuo pipefail\nsource {HOST_SH}\n"
+               f"missing=$(missing_packages dpkg {NOT_A_PACKAGE} bash coreutils {NOT_A_PACKAGE}-2)\n"
+               "echo \"missing:$missing\"")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("missing:", 1)[1].split() == [NOT_A_PACKAGE, f"{NOT_A_PACKAGE}-2"]
+
+
+def test_the_old_detection_line_ended_set_up_on_an_empty_db(empty_dpkg_db):
+    """The bug the test above guards against: the old line exits 1 where the fix exits 0
+    (so the test would have caught it)."""
+    old = OLD_DETECTION.replace("dpkg-query -W", f"dpkg-query --admindir={empty_dpkg_db} -W")
+    res = bash(f"set -euo pipefail\nPKGS='gcc tar'\n{old}\necho reached")
+    assert res.returncode == 1 and "reached" not in res.stdout
+
+
+def _trap_lines() -> str:
+    """setup.sh's own step bookkeeping and ERR trap, copied out of the script."""
+    keep = [ln for ln in SETUP_SH.read_text().splitlines()
+            if ln.startswith(("STEP=", "step()", "trap "))]
+    assert len(keep) == 3, keep
+    return "\n".join(keep)
+
+
+def test_a_failing_set_up_step_names_the_step_the_command_and_its_status(tmp_path):
+    res = bash(f"set -Eeuo pipefail\n{_trap_lines()}\n"
+               "step \"7. demo step\"\ntrue\n"
+               f"ls {tmp_path}/not-there\necho reached")
+    assert res.returncode != 0 and "reached" not in res.stdout
+    msg = re.sub(r"\x1b\[[0-9;]*m", "", res.stderr)
+    assert 'FAILED in step "7. demo step"' in msg, msg
+    assert f'"ls {tmp_path}/not-there" exited 2' in msg, msg
+
+
+def test_a_step_failing_inside_a_function_is_named_too():
+    """-E (errtrace): a command failing in a function reports the step that called it."""
+    res = bash(f"set -Eeuo pipefail\n{_trap_lines()}\n"
+               "build() { false; }\nstep \"2. CRIU build\"\nbuild\necho reached")
+    msg = re.sub(r"\x1b\[[0-9;]*m", "", res.stderr)
+    assert res.returncode == 1 and 'FAILED in step "2. CRIU build": "false" exited 1' in msg, msg
+
+
+def test_debian_archive_prints_bunshin_mirror_when_set():
+    res = bash(f"source {HOST_SH}\ndebian_archive", BUNSHIN_MIRROR="http://mirror.internal.example/debian")
+    assert res.returncode == 0 and res.stdout.strip() == "http://mirror.internal.example/debian"
+
+
+def test_debian_archive_without_override_is_the_host_apt_archive():
+    """Without BUNSHIN_MIRROR the URI is the one apt-cache policy lists for bookworm/main."""
+    policy = subprocess.run(["apt-cache", "policy"], capture_output=True, text=True).stdout
+    uris = [f[1] for ln in policy.splitlines() if len(f := ln.split()) >= 5
+            and f[2] == "bookworm/main" and f[4] == "Packages"]
+    res = bash(f"source {HOST_SH}\ndebian_archive")
+    assert res.returncode == 0
+    assert uris, "this host's apt has no bookworm/main archive"
+    assert res.stdout.strip() == uris[0]
