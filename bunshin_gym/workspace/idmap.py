@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bunshin_gym.config import userns_base
 from bunshin_gym.workspace import pool
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,8 @@ class IdMap:
 
 def current() -> IdMap | None:
     """The id map new workspaces get (None: no user namespace)."""
-    if os.environ.get("BUNSHIN_USERNS", "1") == "0":
-        return None
-    return IdMap(int(os.environ.get("BUNSHIN_USERNS_BASE", "1000000")))
+    base = userns_base()
+    return IdMap(base) if base is not None else None
 
 
 def launch_arg(idmap: IdMap | None) -> str:
