@@ -107,6 +107,15 @@ def _boot_id() -> str:
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+def userns_base() -> int | None:
+    """The host uid/gid of root inside workspaces (their user namespace maps 65536 ids from it):
+    ``BUNSHIN_USERNS_BASE`` (default 1000000); None when ``BUNSHIN_USERNS=0`` turns the user
+    namespace off."""
+    if os.environ.get("BUNSHIN_USERNS", "1") == "0":
+        return None
+    return int(os.environ.get("BUNSHIN_USERNS_BASE", "1000000"))
+
+
 def parse_size(value: str | int | None) -> int:
     """Bytes of a size such as ``8G``, ``512M``, ``1048576`` (K/M/G/T are powers of 1024, an
     optional ``i``/``B`` suffix is accepted); 0, ``0``, ``max``, ``none`` and None mean no limit."""

@@ -124,6 +124,35 @@ def _runtime() -> str:
     return f"runtime layer {ensure_runtime()}"
 
 
+def _containment() -> str:
+    """The containment in force, read from inside a real workspace (not from the settings)."""
+    from bunshin_gym.config import Limits
+    from bunshin_gym.workspace import Workspace, idmap
+
+    with Workspace.create("base") as ws:
+        probe = ws.exec("cat /proc/self/uid_map; grep -E '^(CapBnd|Seccomp):' /proc/self/status; "
+                        "ls -A /.snap | wc -l; head -1 /proc/self/cgroup; "
+                        "grep -c ' /proc/sys proc ro' /proc/self/mounts", check=True)
+        uid_map, capbnd, seccomp, snap_entries, cgroup, proc_sys_ro = probe.text.split("\n")[:6]
+        devices = ws.cgroup._v1_dir("devices")
+        dev_rules = len((devices / "devices.list").read_text().splitlines()) if devices else 0
+    host_root = uid_map.split()[1]
+    _need(host_root != "0" or idmap.current() is None, f"workspace root is host root (uid_map {uid_map.strip()})")
+    caps = int(capbnd.split()[1], 16)
+    _need(not caps >> 21 & 1, "workspaces hold CAP_SYS_ADMIN")
+    _need(seccomp.split()[1] == "2", "no seccomp filter in workspaces")
+    _need(snap_entries.strip() == "0", f"a fresh workspace sees {snap_entries.strip()} entries at /.snap")
+    _need(proc_sys_ro.strip() == "1", "/proc/sys is writable in workspaces")
+    _need(cgroup.endswith(":/"), f"no cgroup namespace ({cgroup})")
+    limits = Limits.from_env()
+    userns = f"user namespace (root = host uid {host_root})" if host_root != "0" else "NO user namespace"
+    return (f"{userns}; {bin(caps).count('1')} capabilities (no CAP_SYS_ADMIN); seccomp (native arch "
+            f"only, kernel-reaching calls denied); /proc and /sys masked or read-only; cgroup namespace; "
+            + (f"devices cgroup ({dev_rules} allowed); " if devices else "")
+            + f"snapshot store hidden; limits: memory {limits.memory >> 20} MiB, pids {limits.pids}, "
+            f"disk {limits.disk >> 20} MiB")
+
+
 def run_checks() -> list[Check]:
     return [
         _check("root", "run as root (sudo -i)", _root),
@@ -136,6 +165,7 @@ def run_checks() -> list[Check]:
         _check("pool", SETUP, _pool),
         _check("runtime", SETUP, _runtime),
         _check("images", "bunshin image build base  (or " + SETUP + ")", _images),
+        _check("containment", "see docs/containment.md", _containment),
     ]
 
 

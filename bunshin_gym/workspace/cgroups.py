@@ -27,12 +27,21 @@ def unified() -> bool:
 
 
 #: v1 controllers a workspace gets a group in; the order is fixed: dirs[0] is memory,
-#: dirs[1] the freezer (the pids one is optional: a host without it runs without a pids limit)
-V1_CONTROLLERS = ("memory", "freezer", "pids")
+#: dirs[1] the freezer (pids and devices are optional: a host without them runs without a
+#: pids limit or a device allow-list)
+V1_CONTROLLERS = ("memory", "freezer", "pids", "devices")
+V1_OPTIONAL = ("pids", "devices")
+
+#: the devices a workspace may open or create (cgroup v1 devices controller; "c MAJ:MIN
+#: ACCESS"), all others are refused: its own /dev (null, zero, full, random, urandom, tty,
+#: ptmx and its pts), the overlay's whiteouts (0:0), and /dev/userfaultfd for CRIU restoring a
+#: share clone inside the group (the workspace has no such node and cannot make one)
+ALLOWED_DEVICES = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm", "c 5:0 rwm", "c 5:2 rwm",
+                   "c 136:* rwm", "c 0:0 m", "c 10:257 rw")
 
 
 def _v1_controllers() -> tuple[str, ...]:
-    return tuple(c for c in V1_CONTROLLERS if c != "pids" or (CGROOT / c).is_dir())
+    return tuple(c for c in V1_CONTROLLERS if c not in V1_OPTIONAL or (CGROOT / c).is_dir())
 
 
 def _dirs(name: str) -> list[Path]:
@@ -66,6 +75,7 @@ class Cgroup:
             d.mkdir(parents=True, exist_ok=False)
         try:
             cg.set_limits(limits)
+            cg._allow_devices()
         except BaseException:
             cg.remove()
             raise
@@ -90,7 +100,22 @@ class Cgroup:
     def _pids_dir(self) -> Path | None:
         if unified():
             return self.dirs[0] if (self.dirs[0] / "pids.max").exists() else None
-        return self.dirs[2] if len(self.dirs) > 2 else None
+        return self._v1_dir("pids")
+
+    def _v1_dir(self, controller: str) -> Path | None:
+        found = [d for d in self.dirs if d.parts[-3] == controller]
+        return found[0] if found else None
+
+    def _allow_devices(self) -> None:
+        """Deny every device but :data:`ALLOWED_DEVICES` (cgroup v1; on v2 the device rules are
+        a BPF program, and the workspace's user namespace, with no CAP_MKNOD and only bound
+        host nodes in its /dev, is what keeps it from devices there)."""
+        d = None if unified() else self._v1_dir("devices")
+        if d is None:
+            return
+        (d / "devices.deny").write_text("a")
+        for rule in ALLOWED_DEVICES:
+            (d / "devices.allow").write_text(rule)
 
     def limits(self) -> dict[str, int]:
         """The limits in force (bytes, processes; 0 = unlimited)."""

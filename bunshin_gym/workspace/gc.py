@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import cgroups, dumping, kmod, memory, pool, records, uffd
+from bunshin_gym.workspace import cgroups, dumping, kmod, memory, pool, records, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.images import build_lock
@@ -69,6 +69,7 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         rep.cgroups.append(name)
     if pool.is_mounted(p.pool):
         rep.snapshots = _sweep_snapshots(p, rep.thawed)
+        rep.caches += [f"snap-view {v}" for v in snapview.sweep(p)]  # views of deleted snapshots
         cleared = pool.clear_stale_qgroups(p.pool)  # quota groups of subvolumes deleted since
         if cleared:
             log.info("removed %d stale quota groups", cleared)

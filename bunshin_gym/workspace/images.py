@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace import pool
+from bunshin_gym.workspace import idmap, pool
 from bunshin_gym.workspace.errors import SetupError, UnknownImage, WorkspaceError
 
 PACKAGE_RECIPES = Path(__file__).parent / "recipes"
@@ -183,6 +183,11 @@ class ImageStore:
                 current = name in known and self.path(name) == path
                 if current or str(path) in used:
                     continue
+                for shifted in idmap.shifted_copies(path):  # its user-namespace copies go with it
+                    if shifted.is_dir():
+                        pool.delete_subvolume(shifted)
+                    else:
+                        shifted.unlink(missing_ok=True)
                 pool.delete_subvolume(path)
                 meta.unlink()
                 removed.append(path.name)

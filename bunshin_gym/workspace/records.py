@@ -50,6 +50,7 @@ class Record:
     layer: str = ""  # runtime layer (top overlay lower) this workspace was started with
     memory_mode: str = "share"  # how its clones get their memory (workspace/memory.py)
     snapshot: str | None = None  # the snapshot it was restored from, if any
+    userns_base: int | None = None  # host id of root inside (workspace/idmap.py); None: no user namespace
     extra: dict = field(default_factory=dict)
     # the process starting or restoring it, until PID 1 is recorded: a detached workspace has no
     # owner, so this is what tells ``gc`` that a half-made one (its maker killed) is abandoned

@@ -32,7 +32,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Limits, Paths, criu_env, paths
-from bunshin_gym.workspace import delta, dumping, flatten, integrity, kmod, memory, pool, records, uffd
+from bunshin_gym.workspace import (
+    delta,
+    dumping,
+    flatten,
+    idmap,
+    integrity,
+    kmod,
+    memory,
+    pool,
+    records,
+    snapview,
+    uffd,
+)
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
 
@@ -54,6 +66,16 @@ DUMP_FLAGS = [
     "--ghost-limit", "256M", "--irmap-scan-path", "/usr/share/zoneinfo",
     "--external", "mnt[/.snap]:snap", "--manage-cgroups=ignore",
 ]
+
+#: device nodes of a user-namespaced workspace: bind mounts of the host's own nodes (mknod of a
+#: device is refused in a user namespace), external to CRIU (bunshin-init.c's ``devs``)
+HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _device_mounts(dump: bool) -> list[str]:
+    if dump:
+        return [a for d in HOST_DEVICES for a in ("--external", f"mnt[/dev/{d}]:dev-{d}")]
+    return [a for d in HOST_DEVICES for a in ("--external", f"mnt[dev-{d}]:/dev/{d}")]
 
 
 class Snapshot:
@@ -101,7 +123,7 @@ class Snapshot:
             recs.append(records.Record(
                 id=ws_id, image=self.image, image_path=self.meta["image_path"], layer=self.meta["layer"],
                 subvolume=str(self._p.workspaces / ws_id), cgroup=ws_id, memory_mode=mode.value,
-                snapshot=self.id, owner=None if detached else me,
+                snapshot=self.id, userns_base=self.meta.get("userns_base"), owner=None if detached else me,
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
                 **records.made_by_me(),  # gc reclaims a half-restored clone once we are gone
                 # clones keep the snapshot's limits (older snapshots: the defaults)
@@ -160,6 +182,7 @@ class Snapshot:
                                 f"snapshots {users['children']}; close or delete those first")
         kmod.close_holders(self.id, self._p)
         _remove_dir(self.path)
+        snapview.remove(self.id, self._p)
         for needed in {self.parent, *self.meta.get("refs", [])} - {None}:
             release_snapshot(needed, self._p)  # an ephemeral ancestor this one kept alive goes now
 
@@ -280,6 +303,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
                 "id": snap_id, "parent": parent.id if parent else None, "workspace": ws.id,
                 "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
                 "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
+                "userns_base": rec.userns_base,  # the id map its processes and files have
                 "limits": rec.extra.get("limits"),  # inherited by every clone
                 "ref_depth": _ref_depth(rec, parent),
                 "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
@@ -325,6 +349,7 @@ def _freeze_and_dump(ws: Workspace, path: Path, times: dict[str, float], env: di
         dump_env = env
         proc = subprocess.run(
             [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
+             *(_device_mounts(dump=True) if rec.userns_base is not None else []),
              "--network-lock", network_lock(rec.pid1),
              "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
             capture_output=True, text=True, env=dump_env,
@@ -421,15 +446,17 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         memory.ksm_acquire(rec.id)
     kmod_env, kmod_args = kmod.restore_setup(rec, holder, p)  # anonymous memory from the snapshot's holder
     env.update(kmod_env)
+    lower = idmap.lower_image(rec.image_path, rec.userns_base)
     cmd = [
-        f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{rec.image_path}",
+        f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{lower}",
         str(sub / "upper"), str(sub / "work"), "1" if ksm else "0",
         *Cgroup(rec.cgroup).procs_files, "--",
         # -W: CRIU writes its stats-restore file into the work dir, not into the immutable snapshot
         str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
-        "--external", f"mnt[snap]:{p.snapshots}", "--manage-cgroups=ignore",
+        "--external", f"mnt[snap]:{snapview.view_for(snap)}", "--manage-cgroups=ignore",
+        *(_device_mounts(dump=False) if rec.userns_base is not None else []),
         "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -481,7 +508,8 @@ def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0)
     new = records.Record(
         id=new_id, image=rec.image, image_path=rec.image_path, layer=snap.meta["layer"],
         subvolume=str(p.workspaces / new_id), cgroup=new_id, memory_mode=rec.memory_mode, snapshot=snap.id,
-        owner=me, owner_start=records.proc_start_time(me), created=time.time(), **records.made_by_me(),
+        userns_base=snap.meta.get("userns_base"), owner=me, owner_start=records.proc_start_time(me),
+        created=time.time(), **records.made_by_me(),
         extra={k: v for k, v in rec.extra.items() if k == "limits"},
     )
     try:
@@ -496,7 +524,7 @@ def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0)
 
 
 #: record fields that belong to the running processes and files (swapped by a rollback)
-_RUN_FIELDS = ("pid1", "pid1_start", "subvolume", "cgroup", "layer", "snapshot")
+_RUN_FIELDS = ("pid1", "pid1_start", "subvolume", "cgroup", "layer", "snapshot", "userns_base")
 #: ``extra`` keys that belong to the running processes (their uffd monitor, kmod sharing)
 _RUN_EXTRA = ("uffd", "kmod")
 

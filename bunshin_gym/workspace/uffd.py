@@ -37,7 +37,7 @@ from functools import cache
 from pathlib import Path
 
 from bunshin_gym.config import Paths, criu_carries, paths
-from bunshin_gym.workspace import records
+from bunshin_gym.workspace import idmap, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
 
@@ -110,6 +110,7 @@ def images_root(p: Paths | None = None) -> Path:
                                str(root)], capture_output=True, text=True)
         if proc.returncode != 0 and not os.path.ismount(root):
             raise SetupError(f"mounting a tmpfs on {root} failed: {proc.stderr.strip()}")
+    idmap.let_restores_traverse(root)
     return root
 
 

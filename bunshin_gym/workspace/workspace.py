@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import kmod, pool, records, snapshot, uffd
+from bunshin_gym.workspace import idmap, kmod, pool, records, snapshot, snapview, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
@@ -96,6 +96,8 @@ class Workspace:
             created=time.time(), layer=str(layer), memory_mode=mode.value,
             extra={"limits": limits.as_dict()},
         )
+        ids = idmap.current()
+        rec.userns_base = ids.base if ids else None
         records.save(rec, p)
         ws = cls(rec, p)
         try:
@@ -103,10 +105,13 @@ class Workspace:
             pool.limit_subvolume(sub, limits.disk)
             for d in ("upper", "work", "root"):
                 (sub / d).mkdir()
+            idmap.own_dirs(ids, sub / "upper", sub / "work")
+            lower = idmap.lower_image(image_path, rec.userns_base)
             cg = Cgroup.create(ws_id, limits)
             proc = subprocess.run(
-                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{image_path}",
-                 str(sub / "upper"), str(sub / "work"), str(p.snapshots), hostname or ws_id, *cg.procs_files],
+                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
+                 str(sub / "upper"), str(sub / "work"), str(snapview.empty_view(p)), hostname or ws_id,
+                 idmap.launch_arg(ids), *cg.procs_files],
                 capture_output=True, text=True, timeout=60,
             )
             if proc.returncode != 0:
