@@ -140,6 +140,8 @@ def test_a_mismatch_kills_the_speculative_command_at_once():
         stopped_after = time.perf_counter() - t0
         assert stopped_after < 1.0, f"the speculative command ran on for {stopped_after:.1f} s"
         assert chain.calls[0].result is None  # killed: nothing to serve
+        nxt = env._chain  # the next speculation does not queue behind the killed one
+        assert nxt is not None and nxt is not chain and nxt.calls[0].started.wait(15)
         t1 = time.perf_counter()
         env.close()
         assert time.perf_counter() - t1 < 15  # the fork's close does not wait for the sleep either
@@ -186,3 +188,22 @@ def test_the_selector_reads_the_last_observation():
     sel = SpecToolSelector.train(entries)
     assert sel.predict("t", [signature("ls")], "a.txt\n")[0][1] == "cat a.txt"
     assert sel.predict("t", [signature("ls")], "b.txt\n")[0][1] == "cat b.txt"
+
+
+def test_a_call_served_by_speculation_is_recorded_with_the_time_it_took_in_the_fork(tmp_path):
+    from bunshin_gym.rollout import PrefixCache
+
+    spec, env = speculative_env(duration=1.0)
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1)
+    env = cache.wrap(env)
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        time.sleep(4)
+        t0 = time.perf_counter()
+        obs, _, _, _, info = env.step(SLOW)
+        assert info.get("speculation") == "hit" and time.perf_counter() - t0 < 1.0
+        # a replay of it costs the fork's second, not the instant it took to serve
+        assert env.node.duration >= 1.0
+    finally:
+        env.close()
+        cache.clear()
