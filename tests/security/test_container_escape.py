@@ -30,6 +30,24 @@ def syscall_probe(tmp_path_factory) -> bytes:
     return out.read_bytes()
 
 
+# the user namespace ------------------------------------------------------------------------
+def test_workspace_root_is_an_unprivileged_host_id(fresh_ws):
+    from bunshin_gym.config import userns_base
+
+    base = userns_base()
+    uid_map = fresh_ws.exec("cat /proc/self/uid_map", check=True).text.split()
+    assert uid_map == ["0", str(base), "65536"], uid_map  # not the identity map of host root
+    # what root writes inside belongs to the namespace's root on the host, not to host root
+    fresh_ws.exec("echo x > /root/owned-by && chown user /root/owned-by.user 2>/dev/null; "
+                  "touch /root/owned-by.user && chown user:user /root/owned-by.user", check=True)
+    upper = fresh_ws.upper / "root"
+    assert (upper / "owned-by").stat().st_uid == base
+    assert (upper / "owned-by.user").stat().st_uid == base + 1000  # `user` is uid 1000 inside
+    # and inside, the image's files keep their owners
+    assert fresh_ws.exec("stat -c '%U %a' /usr/bin/sudo /etc/shadow", check=True).text.split() == [
+        "root", "4755", "root", "640"]
+
+
 # capabilities ------------------------------------------------------------------------------
 @pytest.mark.parametrize("who", ["root", "user via sudo"])
 def test_workspace_root_has_no_host_capabilities(ws, who):
