@@ -5,7 +5,7 @@
     bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
     bunshin snap ls|rm|flatten          snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
-    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID)
+    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID, containment)
     bunshin demo                        start, run, fork: what a workspace can do
     bunshin train [options]             GRPO (TRL) over the envs: the main job
 """
@@ -168,6 +168,11 @@ def _cmd_bench(args) -> int:
         env.run(args.json, env_id=args.env, counts=tuple(int(x) for x in (args.counts or "1,8,16").split(",")),
                 modes=tuple((args.modes or "share,copy").split(",")))
         return 0
+    if args.name == "containment":
+        from bunshin_gym.bench import containment
+
+        containment.run(args.json, before=args.before or containment.DEFAULT_BEFORE, rounds=args.rounds)
+        return 0
     raise AssertionError(args.name)
 
 
@@ -232,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout", "env"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
@@ -244,6 +249,9 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
     be.add_argument("--epochs", type=int, default=3, help="rollout: epochs per mode")
     be.add_argument("--group", type=int, default=4, help="rollout: GRPO group size G")
+    be.add_argument("--before", default=None,
+                    help="containment: git revision to compare with (default 7213947, the last without containment)")
+    be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
