@@ -613,14 +613,15 @@ def test_snapshots_succeed_while_tasks_vfork_and_loop_under_cpu_load(fresh_ws):
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]  # and beside
     try:
         time.sleep(0.5)
-        frozen_ms, tries = [], []
+        frozen_ms, tries, refreezes = [], [], []
         for _ in range(20):
             snap = ws.snapshot()  # raises on a failure
             frozen_ms.append(snap.meta["timings"]["frozen_ms"])
             tries.append(snap.meta["timings"]["dump_tries"])
+            refreezes.append(snap.meta["timings"]["refreezes"])
             snap.delete()
         print(f"\n20 snapshots, frozen ms: median {sorted(frozen_ms)[10]:.0f}, max {max(frozen_ms):.0f}; "
-              f"dump tries {tries}")
+              f"dump tries {tries}; re-freezes {refreezes}")
         assert ws.exec("pgrep -c -x my_process.sh").text.strip() == "3"
     finally:
         for b in busy:

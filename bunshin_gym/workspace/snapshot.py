@@ -339,7 +339,7 @@ def _freeze_and_dump(ws: Workspace, path: Path, times: dict[str, float], env: di
     p, rec, cg = ws._p, ws._rec, ws.cgroup
     t0 = time.perf_counter()
     try:
-        _freeze_seizable(cg, ws.id)
+        times["refreezes"] = _freeze_seizable(cg, ws.id)
         times["freeze_ms"] = _ms(t0)
         t = time.perf_counter()
         pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
@@ -368,19 +368,20 @@ def _freeze_and_dump(ws: Workspace, path: Path, times: dict[str, float], env: di
 _REFREEZES = 100
 
 
-def _freeze_seizable(cg: Cgroup, ws_id: str) -> None:
+def _freeze_seizable(cg: Cgroup, ws_id: str) -> int:
     """Freeze, and if a task is frozen where CRIU's seize cannot stop it (a vfork parent
     waiting for its child, state D; see :mod:`bunshin_gym.workspace.dumping`), thaw for a
-    moment so the child can exec and freeze again."""
+    moment so the child can exec and freeze again. Returns how often it froze again."""
     for i in range(_REFREEZES):
         cg.freeze()
         stuck = dumping.unseizable(cg.pids())
         if not stuck:
-            return
+            return i
         log.debug("%s: frozen with unseizable tasks %s; thawing a moment (try %d)", ws_id, stuck, i + 1)
         cg.thaw()
         time.sleep(min(0.001 * (i + 1), 0.02))
     log.warning("%s: tasks %s stay unseizable after %d freezes; dumping anyway", ws_id, stuck, _REFREEZES)
+    return _REFREEZES
 
 
 #: CRIU log lines of a dump that failed to seize a task: another freeze and dump can succeed
