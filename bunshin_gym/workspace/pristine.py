@@ -17,8 +17,9 @@ the policy wants. Checkers therefore run on the host, in a throw-away sandbox:
 * fresh pid, net (only a down ``lo``; or, for checkers that query a live service such as
   chromium's DevTools, the workspace's own net namespace), ipc and uts namespaces, so the
   checker can neither see nor signal the workspace's processes, nor they it;
-* when the workspace runs in a user namespace (its files' owners shifted on disk), a user
-  namespace with the workspace's id map, so owners read as they do inside;
+* when the workspace runs in a user namespace (its files' owners shifted on disk, its image
+  layer the image's shifted copy, :mod:`~bunshin_gym.workspace.idmap`), that same copy and a
+  user namespace with the workspace's id map, so owners read as they do inside;
 * ``chroot`` into that root, then ``setpriv`` to ``nobody`` keeping only the capabilities to
   read and search every file (``dac_override``, ``dac_read_search``; everything else out of
   the bounding set, no new privileges), a clean environment (``PATH=/usr/bin:/usr/sbin``,
@@ -56,6 +57,7 @@ from typing import Any
 
 from bunshin_gym.config import paths
 from bunshin_gym.workspace.errors import WorkspaceError
+from bunshin_gym.workspace.idmap import lower_image
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,8 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
             disk, and read as inside the workspace only through that map).
     """
     rec = ws._rec
-    image = Path(rec.image_path)
+    # the image layer the workspace mounts: its shifted copy in a user-namespaced workspace
+    image = lower_image(rec.image_path, getattr(rec, "userns_base", None))
     lower = f"{Path(rec.subvolume) / 'upper'}:{rec.layer}:{image}"
     if any(":" in part or "," in part for part in (rec.subvolume, rec.layer, rec.image_path)):
         raise WorkspaceError(f"workspace {rec.id}: a layer path holds ':' or ',', which overlayfs cannot take")

@@ -95,18 +95,23 @@ def test_checker_runs_outside_the_workspace_as_nobody(env):
 
 
 def test_checker_reads_shifted_owners_through_the_workspaces_id_map(env):
-    """With a user-namespaced workspace the files' owners are shifted on disk (inside uid 1000
-    is host uid 1001000 under the map ``0 1000000 65536``): the checker runs with that map
-    and sees the owners as the workspace does."""
+    """In a user-namespaced workspace the owners are shifted on disk (inside uid 1000 is host
+    uid BASE+1000): the checker runs with the workspace's id map and the image's shifted
+    copy, so owners read as they do inside (``stat -c %U`` is ``user``, not ``UNKNOWN``)."""
+    import os
+
     from bunshin_gym.workspace import pristine
 
     env.reset(options={"task": "shell/hello-file"})
-    env.workspace.exec("mkdir -p /srv/t && echo x > /srv/t/f && chown 1001000:1001000 /srv/t/f", check=True)
-    plain = pristine.run(env.workspace, "stat -c '%u %U' /srv/t/f")
-    assert plain.text.split() == ["1001000", "UNKNOWN"]
-    mapped = pristine.run(env.workspace, "stat -c '%u %U' /srv/t/f; id -u; cat /srv/t/f",
-                          idmap="0 1000000 65536")
-    assert mapped.text.split() == ["1000", "user", "65534", "x"], mapped.stderr
+    ws = env.workspace
+    base = ws._rec.userns_base
+    assert base, "workspaces run in a user namespace"
+    ws.exec("mkdir -p /srv/t && echo x > /srv/t/f && chown user:user /srv/t/f", check=True)
+    assert os.stat(ws.upper / "srv/t/f").st_uid == base + 1000  # shifted on disk
+    res = pristine.run(ws, "stat -c '%u %U' /srv/t/f /usr/bin/tr /etc/hostname; id -u; cat /srv/t/f")
+    assert res.text.split() == ["1000", "user", "0", "root", "0", "root", "65534", "x"], res.stderr
+    plain = pristine.run(ws, "stat -c '%u %U' /srv/t/f", idmap="0 0 4294967295")  # without the map
+    assert plain.text.split() == [str(base + 1000), "UNKNOWN"]
 
 
 def test_osworld_getter_ignores_a_replaced_cat():
