@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -262,10 +263,14 @@ def measure(tree: Path, work: Path, tag: str, steps: int = STEPS) -> dict:
     step_doc = json.loads(steps_json.read_text())
     if not Path(step_doc["package"]).resolve().is_relative_to(tree.resolve()):
         raise RuntimeError(f"the step worker of {tag} ran {step_doc['package']}, not the code of {tree}")
-    figures = {**fork_figures(json.loads(fork_json.read_text())), **step_figures(step_doc)}
+    fork = json.loads(fork_json.read_text())
+    figures = {**fork_figures(fork), **step_figures(step_doc)}
     if step_doc["last_step_timing_step_s"]:
         figures["inner_step_median_ms"] = round(statistics.median(step_doc["last_step_timing_step_s"]) * 1e3, 3)
-    return {"tag": tag, "figures": figures, "wall_s": round(time.monotonic() - t0, 1),
+    # the frozen times split into freeze / files / dump / thaw: where a difference comes from
+    snapshots = {mode: {"first": m["first_snapshot"], "delta": m["by_n"][FORK_N]["delta_snapshot"]}
+                 for mode, m in fork["modes"].items()}
+    return {"tag": tag, "figures": figures, "snapshot_timings": snapshots, "wall_s": round(time.monotonic() - t0, 1),
             "load_start": [round(x, 2) for x in load0], "load_end": [round(x, 2) for x in os.getloadavg()]}
 
 
@@ -292,6 +297,7 @@ def run(json_path: str | None = None, *, before: str = DEFAULT_BEFORE, rounds: i
             f = r["figures"]
             print(f" {r['wall_s']:6.1f} s  fan-out copy {f['fanout_copy_s']} s share {f['fanout_share_s']} s  "
                   f"step median {f['step_median_ms']} ms  load {r['load_start'][0]} -> {r['load_end'][0]}")
+    shutil.rmtree(work)  # kept only when a run failed: its error names the log there
     rows = compare([r["figures"] for r in runs["before"]], [r["figures"] for r in runs["after"]])
     load_end = [round(x, 2) for x in os.getloadavg()]
     print(f"\ncontainment's cost: before = {before}, after = current tree; times: best of {rounds} rounds, "
@@ -305,6 +311,5 @@ def run(json_path: str | None = None, *, before: str = DEFAULT_BEFORE, rounds: i
                "imports": imports, "fork_args": list(FORK_ARGS), "steps": steps, "rounds": rounds,
                "combine": "time: min over rounds; memory and ratios: mean over rounds",
                "time_goal": TIME_GOAL, "memory_ratio_tolerance": MEMORY_RATIO_TOLERANCE,
-               "load_start": load_start, "load_end": load_end, "runs": runs, "compare": rows,
-               "work_dir": str(work)}
+               "load_start": load_start, "load_end": load_end, "runs": runs, "compare": rows}
     return write("containment", results, json_path)
