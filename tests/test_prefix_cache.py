@@ -181,3 +181,20 @@ def test_the_log_keeps_the_observation_each_call_was_made_from(tmp_path):
     assert [e["depth"] for e in entries] == [0, 1, 0, 1]
     assert entries[0]["observation"] == "" and entries[1]["observation"] == "first-output\n"
     assert entries[3]["observation"] == "first-output\n"
+
+
+def test_the_cheapest_start_counts_restores_replays_and_a_lazy_fork(tmp_path):
+    from bunshin_gym.rollout.prefix_cache import Node
+
+    cache = PrefixCache(tmp_path / "cache")
+    root = Node("", None, 0)
+    a = Node("a", "a", 1, parent=root, duration=0.5, snapshot="snap-a")
+    b = Node("b", "b", 2, parent=a, duration=0.5)
+    path = [root, a, b]
+    hot, cold = cache.stats.restore_cost(True), cache.stats.restore_cost(False)
+    assert cache.start_cost(path, live=0) == (pytest.approx(1.0), 0)  # replay both calls
+    # a lazy env forks before it can replay: restoring the snapshot and replaying one call wins
+    assert cache.start_cost(path, live=0, materialized=False) == (pytest.approx(cold + 0.5), 1)
+    cache.residency.add(a, 1 << 20)  # the snapshot is resident now: a hot restore
+    assert cache.start_cost(path, live=0) == (pytest.approx(hot + 0.5), 1)
+    assert cache.start_cost(path, live=1) == (pytest.approx(0.5), 1)  # the live workspace is there

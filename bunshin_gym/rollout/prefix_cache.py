@@ -251,11 +251,12 @@ class PrefixCache(Counted):
                        "served again", node.sig[:200], node.depth)
         return True
 
-    def start_cost(self, path: list[Node], live: int | None) -> tuple[float, int]:
+    def start_cost(self, path: list[Node], live: int | None, *, materialized: bool = True) -> tuple[float, int]:
         """The cheapest way to bring a workspace to ``path[-1]``: (estimated seconds, index
-        of the start), where the start is ``live`` (the live workspace's index, no restore),
-        a snapshotted node's index (a restore), or 0 (the episode's start state, restored).
-        Each start costs its restore plus the recorded durations of the calls after it."""
+        of the start), where the start is ``live`` (the live workspace's index, no restore,
+        unless the env is lazy and still has to fork it), a snapshotted node's index (a
+        restore), or 0 (the episode's start state, restored). Each start costs its restore
+        plus the recorded durations of the calls after it."""
         after = [0.0] * (len(path) + 1)  # after[i]: seconds to replay path[i:]
         for i in range(len(path) - 1, -1, -1):
             after[i] = after[i + 1] + path[i].duration
@@ -263,7 +264,7 @@ class PrefixCache(Counted):
         options += [(self.stats.restore_cost(self.residency.is_resident(n)) + after[i + 1], i)
                     for i, n in enumerate(path) if i > 0 and n.snapshot]
         if live is not None:
-            options.append((after[live + 1], live))
+            options.append(((0.0 if materialized else self.stats.restore_cost(True)) + after[live + 1], live))
         # ties go to the deeper start (fewer replays, fewer chances of a non-deterministic call)
         return min(options, key=lambda o: (o[0], -o[1]))
 
@@ -462,7 +463,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         base = self.env.unwrapped
         _inner_call(self.env, "cancel_speculation")
         while True:
-            _, start = self.cache.start_cost(path, live)
+            _, start = self.cache.start_cost(path, live, materialized=base.materialized)
             if start == live:
                 break
             if start == 0:
