@@ -16,6 +16,7 @@ nothing. Debian 12's btrfs-progs (6.2) cannot enable them, so the ioctls are cal
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import logging
@@ -35,6 +36,7 @@ _IOC_FS_INFO = 0x8400941F  # _IOR(0x94, 31, struct btrfs_ioctl_fs_info_args): 10
 _IOC_INO_LOOKUP = 0xD0009412  # _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args): 4096 bytes
 _IOC_QUOTA_CTL = 0xC0109428  # _IOWR(0x94, 40, struct btrfs_ioctl_quota_ctl_args): cmd, status
 _IOC_QGROUP_LIMIT = 0x8030942B  # _IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args): 48 bytes
+_QUOTA_CTL_ENABLE = 1
 _QUOTA_CTL_ENABLE_SIMPLE = 4
 _LIMIT_MAX_RFER = 1
 
@@ -168,7 +170,16 @@ def ensure_quota(pool_path: Path) -> str:
     try:
         _ioctl(pool_path, _IOC_QUOTA_CTL, struct.pack("=QQ", _QUOTA_CTL_ENABLE_SIMPLE, 0))
     except OSError as e:
-        raise SetupError(f"cannot enable btrfs simple quotas on {pool_path} (Linux 6.7+ needed): {e}") from e
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise SetupError(f"cannot enable btrfs simple quotas on {pool_path}: {e}") from e
+        # a kernel before 6.7 (the kmod VM's 6.1) has no simple quotas: full qgroups limit as
+        # well, at a cost in snapshot time, and charge a clone for the files it inherited too
+        try:
+            _ioctl(pool_path, _IOC_QUOTA_CTL, struct.pack("=QQ", _QUOTA_CTL_ENABLE, 0))
+        except OSError as e2:
+            raise SetupError(f"cannot enable btrfs quotas on {pool_path}: simple quotas: {e}; qgroups: {e2}") from e2
+        log.warning("no btrfs simple quotas on this kernel (Linux 6.7+): enabled full qgroups on %s", pool_path)
+        return quota_mode(pool_path) or "qgroup"
     log.info("enabled btrfs simple quotas on %s", pool_path)
     return quota_mode(pool_path) or "squota"
 
