@@ -56,6 +56,7 @@ class Cgroup:
     def __init__(self, name: str):
         self.name = name
         self.dirs = _dirs(name)
+        self._event_files: tuple[str, str | None] | None = None
 
     @classmethod
     def create(cls, name: str, limits: Limits | None = None) -> Cgroup:
@@ -130,13 +131,22 @@ class Cgroup:
         """How often the workspace hit a limit since its group was made: ``oom_kill`` (processes
         the kernel killed at the memory limit) and ``pids_max`` (forks refused at the pids limit).
         """
-        mem = self.dirs[0]
-        text = (mem / ("memory.events" if unified() else "memory.oom_control")).read_text()
-        oom = _field(text, "oom_kill")
-        pids_dir = self._pids_dir()
+        files = self._event_files
+        if files is None:  # resolved once: this runs twice per env step
+            pids_dir = self._pids_dir()
+            files = self._event_files = (
+                str(self.dirs[0] / ("memory.events" if unified() else "memory.oom_control")),
+                str(pids_dir / "pids.events") if pids_dir is not None else None,
+            )
+        with open(files[0], "rb") as f:
+            oom = _field(f.read().decode(), "oom_kill")
         refused = 0
-        if pids_dir is not None and (pids_dir / "pids.events").exists():
-            refused = _field((pids_dir / "pids.events").read_text(), "max")
+        if files[1] is not None:
+            try:
+                with open(files[1], "rb") as f:
+                    refused = _field(f.read().decode(), "max")
+            except FileNotFoundError:  # a kernel whose pids controller counts no events
+                pass
         return {"oom_kill": oom, "pids_max": refused}
 
     def exists(self) -> bool:
