@@ -61,10 +61,7 @@ from bunshin_gym.workspace.idmap import lower_image
 
 log = logging.getLogger(__name__)
 
-#: the capabilities the checker keeps: read any file, search any directory (task files are
-#: often 0600/0700 and owned by the workspace's users), nothing else
-CAPS = "dac_override,dac_read_search"
-NOBODY = 65534
+#: bytes kept of each of the checker's output streams (the rest is read and dropped)
 MAX_OUTPUT = 1 << 20
 
 _SETUP = r"""
@@ -80,35 +77,32 @@ mknod -m 666 "$root/dev/full" c 1 7
 mknod -m 666 "$root/dev/random" c 1 8
 mknod -m 666 "$root/dev/urandom" c 1 9
 ip link set lo up 2>/dev/null || true
-if [ -n "$CHECK_IDMAP" ]; then
-    # the workspace's files carry shifted owners: run in a user namespace with its id map, so
-    # that owners read as inside (stat -c %U) and the read capabilities cover exactly them.
-    # A holder makes the namespace; the checker enters it as its root (uid 0 inside), which
-    # keeps the capabilities chroot and setpriv need across exec
-    unshare --user sleep 600 &
-    holder=$!
-    outer=$(readlink /proc/self/ns/user)
-    while [ "$(readlink "/proc/$holder/ns/user")" = "$outer" ]; do sleep 0.001; done  # not unshared yet
-    printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/uid_map"
-    printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/gid_map"
-    set +e
-    nsenter --user="/proc/$holder/ns/user" --setuid=0 --setgid=0 -- \
-        chroot "$root" /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups \
+checker() {  # "$@": how to start it (exec, or nsenter into a user namespace)
+    "$@" chroot "$root" /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups \
         --inh-caps=-all,+dac_override,+dac_read_search --ambient-caps=-all,+dac_override,+dac_read_search \
         --bounding-set=-all,+dac_override,+dac_read_search --no-new-privs -- \
         /usr/bin/env -i PATH=/usr/bin:/usr/sbin HOME="$CHECK_HOME" USER="$CHECK_USER" LOGNAME="$CHECK_USER" \
         LANG=C.UTF-8 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 TMPDIR=/tmp \
         /usr/bin/sh -c 'cd -- "$1" 2>/dev/null || cd /; exec /usr/bin/sh -c "$2"' checker "$cwd" "$cmd"
-    status=$?
-    kill "$holder"
-    exit "$status"
+}
+if [ -z "$CHECK_IDMAP" ]; then
+    checker exec
 fi
-exec chroot "$root" /usr/bin/setpriv --reuid=65534 --regid=65534 --clear-groups \
-    --inh-caps=-all,+dac_override,+dac_read_search --ambient-caps=-all,+dac_override,+dac_read_search \
-    --bounding-set=-all,+dac_override,+dac_read_search --no-new-privs -- \
-    /usr/bin/env -i PATH=/usr/bin:/usr/sbin HOME="$CHECK_HOME" USER="$CHECK_USER" LOGNAME="$CHECK_USER" \
-    LANG=C.UTF-8 PYTHONNOUSERSITE=1 PYTHONDONTWRITEBYTECODE=1 TMPDIR=/tmp \
-    /usr/bin/sh -c 'cd -- "$1" 2>/dev/null || cd /; exec /usr/bin/sh -c "$2"' checker "$cwd" "$cmd"
+# the workspace's files carry shifted owners: run in a user namespace with its id map, so that
+# owners read as inside (stat -c %U) and the read capabilities cover exactly them. A holder
+# makes the namespace; the checker enters it as its root (uid 0 inside), which keeps the
+# capabilities chroot and setpriv need across exec
+unshare --user sleep 600 &
+holder=$!
+outer=$(readlink /proc/self/ns/user)
+while [ "$(readlink "/proc/$holder/ns/user")" = "$outer" ]; do sleep 0.001; done  # not unshared yet
+printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/uid_map"
+printf '%s\n' "$CHECK_IDMAP" > "/proc/$holder/gid_map"
+set +e
+checker nsenter --user="/proc/$holder/ns/user" --setuid=0 --setgid=0 --
+status=$?
+kill "$holder"
+exit "$status"
 """
 
 
@@ -173,9 +167,9 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
         workspace_net: join the workspace's network namespace (to query a service it runs,
             e.g. chromium's DevTools on its loopback) instead of an empty one.
         freeze: freeze the workspace while the checker reads its files.
-        idmap: run in a user namespace with this id map (``inside outside count`` lines);
-            default: the workspace's own, when it has one (its files' owners are shifted on
-            disk, and read as inside the workspace only through that map).
+        idmap: run in a user namespace with this id map (``inside outside count`` lines; ""
+            for none); default: the workspace's own, when it has one (its files' owners are
+            shifted on disk, and read as inside the workspace only through that map).
     """
     rec = ws._rec
     # the image layer the workspace mounts: its shifted copy in a user-namespaced workspace
@@ -201,7 +195,7 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
         _pin(pin, image)
         argv = [*runner, "/bin/sh", "-c", _SETUP, "setup", str(pin), str(root), lower, str(image), cwd, command]
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "CHECK_HOME": home, "CHECK_USER": user,
-               "CHECK_IDMAP": idmap or (id_map(rec.pid1) if rec.pid1 else None) or ""}
+               "CHECK_IDMAP": (id_map(rec.pid1) if rec.pid1 else None) or "" if idmap is None else idmap}
         frozen = False
         if freeze:
             ws.freeze()
