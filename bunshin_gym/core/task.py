@@ -46,6 +46,14 @@ def check_config(config: Any, where: str) -> dict:
     return config
 
 
+def identify(config: Any, family: str, source: str | None, id_key: str = "id") -> tuple[dict, str]:
+    """A task config checked to be a dict, and the name its errors go by: ``"<family> task
+    '<id>' (<source>)"``."""
+    config = check_config(config, f"{family} task {source or ''}".strip())
+    where = f"{family} task {config.get(id_key, '?')!r:.80}" + (f" ({source})" if source else "")
+    return config, where
+
+
 def field(config: dict, key: str, kind: type | tuple[type, ...], where: str, *, required: bool = False,
           default: Any = None, items: type | None = None) -> Any:
     """``config[key]`` checked to be of ``kind`` (and a list's elements of ``items``);

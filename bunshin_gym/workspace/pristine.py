@@ -51,11 +51,11 @@ import stat
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bunshin_gym.config import paths
+from bunshin_gym.workspace.client import ExecResult
 from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.idmap import lower_image
 
@@ -106,25 +106,6 @@ exit "$status"
 """
 
 
-@dataclass
-class CheckResult:
-    """What a checker command did (as :class:`~bunshin_gym.workspace.client.ExecResult`)."""
-
-    exit_code: int
-    stdout: bytes
-    stderr: bytes
-    timed_out: bool
-    duration: float
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-    @property
-    def text(self) -> str:
-        return self.stdout.decode(errors="replace")
-
-
 def _pin(dst: Path, image: Path) -> None:
     """The top overlay layer that fixes where code comes from (see the module docstring)."""
     for entry in sorted(image.iterdir()):
@@ -154,7 +135,7 @@ def id_map(pid1: int) -> str | None:
 
 def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", user: str = "root",
         timeout: float = 60.0, workspace_net: bool = False, freeze: bool = True,
-        idmap: str | None = None) -> CheckResult:
+        idmap: str | None = None) -> ExecResult:
     """Run a checker shell line over a live workspace's files with its image's binaries.
 
     Args:
@@ -208,7 +189,7 @@ def run(ws: Any, command: str, *, cwd: str = "/", home: str = "/nonexistent", us
             if frozen:
                 ws.thaw()
     code = proc.returncode
-    return CheckResult(code if code is not None else -9, out, err, timed_out, time.monotonic() - t0)
+    return ExecResult(code if code is not None else -9, out, err, timed_out, time.monotonic() - t0)
 
 
 def _collect(proc: subprocess.Popen, timeout: float) -> tuple[bytes, bytes, bool]:

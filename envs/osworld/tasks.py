@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
+from bunshin_gym.core.task import Task, TaskError, check_max_steps, field, identify, read_task_file
 from bunshin_gym.envs.osworld import desktop
 from bunshin_gym.envs.osworld.metrics import METRICS
 from bunshin_gym.workspace import pristine
@@ -383,8 +383,7 @@ class OSWorldTask(Task):
     """One OSWorld task (see the module docstring for what is supported)."""
 
     def __init__(self, config: dict, source: str | None = None):
-        config = check_config(config, f"osworld task {source or ''}".strip())
-        where = f"osworld task {config.get('id', '?')!r:.80}" + (f" ({source})" if source else "")
+        config, where = identify(config, "osworld", source)
         task_id = field(config, "id", str, where, required=True)
         instruction = field(config, "instruction", str, where, required=True)
         self.evaluator: dict = field(config, "evaluator", dict, where, required=True)

@@ -34,7 +34,7 @@ import numpy as np
 from gymnasium import spaces
 
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text, printable
-from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
+from bunshin_gym.core.task import Task, TaskError, check_max_steps, field, identify, read_task_file
 from bunshin_gym.workspace import pristine
 from bunshin_gym.workspace.workspace import disk_full_in, limits_hit
 
@@ -66,8 +66,7 @@ class ShellTask(Task):
     """A shell task: set-up commands and a checker command (exit 0 = success)."""
 
     def __init__(self, config: dict, source: str | None = None):
-        config = check_config(config, f"shell task {source or ''}".strip())
-        where = f"shell task {config.get('id', '?')!r:.80}" + (f" ({source})" if source else "")
+        config, where = identify(config, "shell", source)
         task_id = field(config, "id", str, where, required=True)
         instruction = field(config, "instruction", str, where, required=True)
         self.check: str = field(config, "check", str, where, required=True)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+
+from bunshin_gym.envs.webarena.urlguard import origin
 
 KINDS = ("click", "type", "hover", "press", "scroll", "new_tab", "tab_focus", "close_tab", "goto", "go_back",
          "go_forward", "stop")
@@ -113,24 +114,6 @@ def parse_action(text: str) -> Action:
 # where the browser may go ------------------------------------------------------------------
 class URLRefused(ValueError):
     """A URL outside the env's sites (a local file, a browser page, another host or port)."""
-
-
-def origin(url: str) -> str | None:
-    """``scheme://host:port`` of an http(s) URL (default port written out), else None.
-
-    URLs that browsers and ``urllib`` may read differently (a backslash, a space or control
-    character, credentials before the host) have no origin here: they are refused."""
-    if any(c in url for c in "\\\t\n\r ") or any(ord(c) < 32 for c in url):
-        return None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
-        return None
-    scheme = parts.scheme.lower()
-    return f"{scheme}://{parts.hostname.lower()}:{port or (443 if scheme == 'https' else 80)}"
 
 
 def check_url(url: str, site_urls: list[str] | tuple[str, ...]) -> str:

@@ -40,12 +40,12 @@ import re
 import sys
 import time
 import traceback
-from urllib.parse import urlsplit
 
 sys.path.insert(0, "/.bunshin")
 from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 from protocol import serve_unix  # noqa: E402  (bunshin's one wire protocol, from the runtime layer)
+from urlguard import origin  # noqa: E402  (written next to this file by the env)
 
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -60,22 +60,6 @@ KEYS = {"ctrl": "Control", "control": "Control", "cmd": "Meta", "meta": "Meta", 
         "backspace": "Backspace", "delete": "Delete", "del": "Delete", "up": "ArrowUp", "down": "ArrowDown",
         "left": "ArrowLeft", "right": "ArrowRight", "pageup": "PageUp", "pagedown": "PageDown", "home": "Home",
         "end": "End"}
-
-
-def origin(url: str) -> str | None:
-    """``scheme://host:port`` of an http(s) URL, else None (the host-side twin is
-    ``bunshin_gym.envs.webarena.actions.origin``; this file runs without bunshin_gym)."""
-    if any(c in url for c in "\\\t\n\r ") or any(ord(c) < 32 for c in url):
-        return None
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
-        return None
-    scheme = parts.scheme.lower()
-    return f"{scheme}://{parts.hostname.lower()}:{port or (443 if scheme == 'https' else 80)}"
 
 
 def drop_privileges(user: str) -> None:

@@ -42,6 +42,7 @@ from bunshin_gym.envs.webarena.tasks import WebArenaTask, load_task, placeholder
 from bunshin_gym.workspace.errors import WorkspaceError
 
 DRIVER_SOURCE = Path(__file__).with_name("driver.py")
+URLGUARD_SOURCE = Path(__file__).with_name("urlguard.py")  # imported by the driver
 DRIVER_PATH = "/var/lib/bunshin-web/driver.py"
 #: the user chromium and its playwright driver run as (unprivileged; see driver.py)
 BROWSER_USER = "user"
@@ -157,6 +158,7 @@ class WebArenaEnv(WorkspaceEnv):
         for name, site in self.sites.items():
             self._wait_http(ws, name, site)
         ws.write_file(DRIVER_PATH, DRIVER_SOURCE.read_bytes())
+        ws.write_file(str(Path(DRIVER_PATH).with_name("urlguard.py")), URLGUARD_SOURCE.read_bytes())
         # started as root to bind its socket next to the agent's; the browser runs as `user`
         origins = [a for s in self.sites.values() for a in ("--allow-origin", s.url)]
         ws.spawn(["python3", DRIVER_PATH, "--socket", SOCKET, "--chromium", self.chromium, "--user", BROWSER_USER,

@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.core.task import Task, TaskError, check_config, check_max_steps, field, read_task_file
+from bunshin_gym.core.task import Task, TaskError, check_max_steps, field, identify, read_task_file
 from bunshin_gym.envs.webarena import evaluators
 
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -46,8 +46,7 @@ class WebArenaTask(Task):
     """
 
     def __init__(self, config: dict, site_urls: dict[str, str], source: str | None = None):
-        config = check_config(config, f"WebArena task {source or ''}".strip())
-        where = f"WebArena task {config.get('task_id', '?')!r:.80}" + (f" ({source})" if source else "")
+        config, where = identify(config, "WebArena", source, "task_id")
         missing = [k for k in REQUIRED if k not in config]
         if missing:
             raise TaskError(f"{where}: missing keys {missing}")
