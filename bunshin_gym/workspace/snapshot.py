@@ -590,6 +590,7 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
     if snap.meta.get("ephemeral") and not any(snap.users().values()):
         kmod.close_holders(snap.id, p)
         _remove_dir(snap.path)
+        snapview.remove(snap.id, p)  # as delete() does: else every ws.fork left its view behind
         for needed in {snap.parent, *snap.meta.get("refs", [])} - {None}:
             release_snapshot(needed, p)
 
