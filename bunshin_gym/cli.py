@@ -5,7 +5,7 @@
     bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
     bunshin snap ls|rm|flatten          snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
-    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID, containment)
+    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID, containment, soak)
     bunshin demo                        start, run, fork: what a workspace can do
     bunshin train [options]             GRPO (TRL) over the envs: the main job
 """
@@ -173,6 +173,12 @@ def _cmd_bench(args) -> int:
 
         containment.run(args.json, before=args.before or containment.DEFAULT_BEFORE, rounds=args.rounds)
         return 0
+    if args.name == "soak":
+        from bunshin_gym.bench import soak
+
+        doc = soak.run(args.json, cycles=args.cycles, minutes=args.minutes, threads=args.threads,
+                       envs=tuple((args.envs or ",".join(soak.ENV_KINDS)).split(",")))
+        return 0 if doc["errors"] == 0 and doc["leaks_total"] == 0 else 1
     raise AssertionError(args.name)
 
 
@@ -237,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment", "soak"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
@@ -252,6 +258,10 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--before", default=None,
                     help="containment: git revision to compare with (default 7213947, the last without containment)")
     be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")
+    be.add_argument("--cycles", type=int, default=500, help="soak: fork/close cycles of phase 1")
+    be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
+    be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")
+    be.add_argument("--envs", default=None, help="soak: env kinds of the mixed workload (default shell,desktop,web)")
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
