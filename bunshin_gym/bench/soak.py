@@ -436,6 +436,19 @@ def mixed(minutes: float, threads: int, kinds: tuple[str, ...], tally: Tally, se
 
 
 # the bench ---------------------------------------------------------------------------------
+def _import_envs(envs: tuple[str, ...]) -> None:
+    """Import the env classes up front: a long run must not import them midway (the working
+    tree may change under it) nor count the first import in a make's time."""
+    import gymnasium as gym
+
+    import bunshin_gym  # noqa: F401 - registers the envs
+
+    for kind in envs:
+        entry = gym.spec(KINDS[kind].env_id).entry_point
+        if isinstance(entry, str):
+            gym.envs.registration.load_env_creator(entry)
+
+
 def run(json_path: str | None = None, *, cycles: int = 500, minutes: float = 30.0, threads: int = 8,
         envs: tuple[str, ...] = ENV_KINDS, seed: int = 0) -> dict:
     """Run both phases and count leaks; returns (and writes) the results."""
@@ -444,6 +457,7 @@ def run(json_path: str | None = None, *, cycles: int = 500, minutes: float = 30.
         raise ValueError(f"unknown envs {bad}: choose from {', '.join(ENV_KINDS)}")
     print(f"bench soak: {cycles} fork/close cycles ({'/'.join(MODES)}), then {minutes:g} min of "
           f"{'/'.join(envs)} envs from {threads} threads", flush=True)
+    _import_envs(envs)
     made = Made()
     before_host = host_counts()
     baseline = {"children": _children(os.getpid()), "netns_fds": _netns_fds()}
