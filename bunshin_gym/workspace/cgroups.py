@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -38,6 +39,23 @@ V1_OPTIONAL = ("pids", "devices")
 #: share clone inside the group (the workspace has no such node and cannot make one)
 ALLOWED_DEVICES = ("c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm", "c 5:0 rwm", "c 5:2 rwm",
                    "c 136:* rwm", "c 0:0 m", "c 10:257 rw")
+
+
+#: host device nodes that bunshin's restore helpers open from inside a workspace's groups when
+#: the node exists: the kmod share module (its kmod action script runs in the clone's group)
+HELPER_DEVICE_NODES = ("/dev/bunshin_share",)
+
+
+def _host_helper_devices() -> list[str]:
+    rules = []
+    for node in HELPER_DEVICE_NODES:
+        try:
+            st = os.stat(node)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            rules.append(f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rw")
+    return rules
 
 
 def _v1_controllers() -> tuple[str, ...]:
@@ -115,7 +133,7 @@ class Cgroup:
         if d is None:
             return
         (d / "devices.deny").write_text("a")
-        for rule in ALLOWED_DEVICES:
+        for rule in (*ALLOWED_DEVICES, *_host_helper_devices()):
             (d / "devices.allow").write_text(rule)
 
     def limits(self) -> dict[str, int]:
