@@ -96,7 +96,16 @@ def _criu(kind: str, needle: str) -> list[int]:
         if kind == "dump" and "-t" in args and args[args.index("-t") + 1] == needle \
                 or kind != "dump" and any(needle in a for a in args):
             found.append(int(entry.name))
-    return found
+    # a restoring CRIU forks the tasks it restores, which show its command line until they
+    # become them: the CRIU itself is the one whose parent is not among them
+    return [pid for pid in found if _ppid(pid) not in found]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _wait_for(what, timeout: float = 60.0, step: float = 0.001):

@@ -464,7 +464,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
 
 
 def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> None:
-    out, err = proc.communicate()
+    out, err = _outputs(proc)
     logs = p.run / "logs"
     log = logs / f"{rec.id}-restore.log"
     report = kmod.report_path(rec, p)
@@ -484,6 +484,26 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
     pidfile.unlink()
     log.unlink(missing_ok=True)
     records.save(rec, p)
+
+
+def _outputs(proc: subprocess.Popen, grace: float = 2.0) -> tuple[str, str]:
+    """What the restore printed, once it exited. Not "until its pipes close": when CRIU is
+    killed mid-restore, the tasks it had forked (half-restored, reclaimed with the clone's
+    cgroup) still hold the pipes, and waiting for their end would hang the fork forever."""
+    while True:
+        try:
+            return proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if proc.poll() is not None:
+                break
+    try:
+        return proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        log.warning("restore (pid %d) exited %s; other processes keep its output open", proc.pid, proc.returncode)
+        return "", "(the restore exited; half-restored tasks kept its output open)"
 
 
 def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0) -> None:
