@@ -136,7 +136,8 @@ class Snapshot:
                 records.save(rec, self._p)
                 Cgroup.create(rec.cgroup, Limits.parse(rec.extra["limits"]))
             holder = _kmod_holder(self, mode)  # once the clones' records keep it from `bunshin gc`
-            procs = [_start_restore(self, rec, mode, self._p, holder) for rec in recs]
+            view = snapview.view_for(self)  # once for all clones: what they may see at /.snap
+            procs = [_start_restore(self, rec, mode, self._p, holder, view) for rec in recs]
             failed = []  # wait for every restore, so none is left unreaped and unreported
             for rec, proc in zip(recs, procs, strict=True):
                 try:
@@ -428,8 +429,9 @@ def _kmod_holder(snap: Snapshot, mode: memory.MemoryMode) -> records.Record | No
 
 
 def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode, p: Paths,
-                   holder: records.Record | None = None) -> subprocess.Popen:
-    """Lay the clone's files and start ``criu restore`` for it (returns at once)."""
+                   holder: records.Record | None = None, view: Path | None = None) -> subprocess.Popen:
+    """Lay the clone's files and start ``criu restore`` for it (returns at once); ``view`` is
+    the snapshot's /.snap view (made here when the caller has none)."""
     sub = Path(rec.subvolume)
     pool.snapshot_subvolume(snap.fs, sub)
     pool.limit_subvolume(sub, Limits.parse(rec.extra.get("limits")).disk)  # charged for what it writes
@@ -456,7 +458,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode,
         str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
-        "--external", f"mnt[snap]:{snapview.view_for(snap)}", "--manage-cgroups=ignore",
+        "--external", f"mnt[snap]:{view or snapview.view_for(snap)}", "--manage-cgroups=ignore",
         *(_device_mounts(dump=False) if rec.userns_base is not None else []),
         "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
     ]
