@@ -15,24 +15,29 @@ from pathlib import Path
 from bunshin_gym.config import Paths, paths
 
 
-def proc_start_time(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (tells a pid from a reused one)."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, None when gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    return fields[0], int(fields[19])
+
+
+def proc_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (tells a pid from a reused one)."""
+    st = _stat(pid)
+    return st[1] if st else None
 
 
 def process_alive(pid: int | None, start_time: int | None) -> bool:
     """The process with this pid and start time still runs (a zombie is dead: a workspace's
-    PID 1 is orphaned by its launcher and stays a zombie until the host's init reaps it)."""
-    if pid is None or start_time is None or proc_start_time(pid) != start_time:
+    PID 1 is orphaned by its launcher and stays a zombie until the host's init reaps it).
+    One read of /proc (every env step checks PID 1 and a uffd monitor's two processes)."""
+    if pid is None or start_time is None:
         return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+    st = _stat(pid)
+    return st is not None and st[1] == start_time and st[0] not in ("Z", "X")
 
 
 @dataclass
