@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,24 @@ def kmod_double(monkeypatch):
             monkeypatch.setenv("BUNSHIN_KMOD_DOUBLE", "copy")
 
     return apply
+
+
+def fds_beyond(baseline: set[str], settle: float = 5.0) -> dict[str, str]:
+    """This process's descriptors not in ``baseline`` (name -> target), once they stay open:
+    threads that earlier tests of the suite left running (speculation, background snapshots)
+    open and close descriptors of their own for a while, and one of theirs is not a leak of the
+    test at hand; a leaked one is still there after ``settle`` seconds."""
+    deadline = time.monotonic() + settle
+    while True:
+        extra = {}
+        for fd in set(os.listdir("/proc/self/fd")) - baseline:
+            try:
+                extra[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            except FileNotFoundError:  # closed meanwhile (or the listing's own descriptor)
+                continue
+        if not extra or time.monotonic() > deadline:
+            return extra
+        time.sleep(0.1)
 
 
 def proc_state(pid: int) -> str | None:

@@ -12,17 +12,13 @@ import os
 import time
 
 import pytest
-from conftest import host_overlay_mounts, leftovers
+from conftest import fds_beyond, host_overlay_mounts, leftovers
 from fork_programs import host
 from fork_programs.host import sh
 
 from bunshin_gym.config import paths
 from bunshin_gym.workspace import Workspace, cgroups, records
 from bunshin_gym.workspace.snapshot import SnapshotStore
-
-
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _ksm_users() -> set[str]:
@@ -43,7 +39,7 @@ def _cycles(n: int, mode: str) -> None:
         [c] = snap.fork(1)
         c.close()
         ids.add(c.id)
-        overlays, fds, children = host_overlay_mounts(), _fds(), host.children_of(os.getpid())
+        overlays, fds, children = host_overlay_mounts(), set(os.listdir("/proc/self/fd")), host.children_of(os.getpid())
         logs_before = set(os.listdir(p.run / "logs"))
         t0 = time.perf_counter()
         for i in range(n):
@@ -69,7 +65,7 @@ def _cycles(n: int, mode: str) -> None:
         assert not ids & _ksm_users()
         assert snap.users() == {"clones": [], "children": []}
         assert host_overlay_mounts() == overlays, "overlay mounts appeared on the host"
-        assert _fds() == fds, f"this process holds {_fds() - fds} more file descriptors"
+        assert fds_beyond(fds) == {}, "this process holds more file descriptors"
         assert host.children_of(os.getpid()) == children, "child processes left behind"
         # the source and the snapshot are intact
         assert ws.read_file("/root/f") == b"base\n"

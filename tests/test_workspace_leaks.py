@@ -11,7 +11,7 @@ import os
 import subprocess
 import time
 
-from conftest import alive, host_netns, host_overlay_mounts, leftovers, pids_in_netns
+from conftest import alive, fds_beyond, host_netns, host_overlay_mounts, leftovers, pids_in_netns
 
 from bunshin_gym.config import paths
 from bunshin_gym.workspace import Workspace, records
@@ -65,7 +65,7 @@ def test_create_close_cycles_leave_nothing_behind():
     assert not set(ids) & _subvolume_names()
     assert host_overlay_mounts() <= overlays, "overlay mounts leaked into the host"
     assert host_netns() == netns
-    assert set(os.listdir("/proc/self/fd")) <= fds, "the controller leaks file descriptors"
+    assert fds_beyond(fds) == {}, "the controller leaks file descriptors"
     assert elapsed < 45, f"{CYCLES} cycles took {elapsed:.1f} s"
 
 
