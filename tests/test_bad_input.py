@@ -176,11 +176,14 @@ import os, socket, sys, threading
 sys.path.insert(0, sys.argv[1])
 from bunshin_gym.workspace.protocol import recv_msg, send_msg
 
-def serve(path):
+def listen(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(8)
+    return srv
+
+def serve(srv):
     while True:
         conn, _ = srv.accept()
         with conn:
@@ -195,8 +198,9 @@ def serve(path):
                 print(req.get("op"), flush=True)
                 break
 
-for path in sys.argv[2:]:
-    threading.Thread(target=serve, args=(path,), daemon=True).start()
+# every socket listens before "ready": a client may connect the moment it reads it
+for srv in [listen(path) for path in sys.argv[2:]]:
+    threading.Thread(target=serve, args=(srv,), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
 """
