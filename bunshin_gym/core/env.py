@@ -36,14 +36,11 @@ import numpy as np
 from gymnasium import spaces
 
 from bunshin_gym.core.task import Task
+from bunshin_gym.errors import ActionError, ResetNeeded  # defined there; this import path stays
 from bunshin_gym.workspace import Workspace, WorkspaceError
 from bunshin_gym.workspace.errors import AgentError, SnapshotError
 
 log = logging.getLogger(__name__)
-
-
-class ActionError(ValueError):
-    """A malformed or impossible action: reported in the observation/info, never raised."""
 
 
 def check_text(text: Any, *, what: str, max_bytes: int) -> str:
@@ -84,10 +81,6 @@ def blank_observation(space: spaces.Space) -> Any:
     if isinstance(space, spaces.Box):
         return np.clip(np.zeros(space.shape, space.dtype), space.low, space.high).astype(space.dtype)
     raise TypeError(f"no blank observation for a {type(space).__name__} space: override error_observation")
-
-
-class ResetNeeded(RuntimeError):
-    """``step`` before ``reset``, or after the episode ended."""
 
 
 @dataclass

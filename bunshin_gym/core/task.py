@@ -13,9 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-
-class TaskError(ValueError):
-    """A task file is malformed or names something unsupported (the message says what)."""
+from bunshin_gym.errors import TaskError  # re-exported: bunshin_gym.core.task.TaskError stays
 
 
 def read_task_file(path: str | Path) -> dict:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, paths
-from bunshin_gym.workspace.errors import SnapshotError
+from bunshin_gym.errors import FlattenUnavailable, SnapshotError
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace import records
@@ -56,10 +56,6 @@ SNAP_MOUNT = "/.snap"
 FLAT_DIR = "flat"
 #: FICLONE ioctl (linux/fs.h): a reflink copy on btrfs
 _FICLONE = 0x40049409
-
-
-class FlattenUnavailable(SnapshotError):
-    """pycriu (or its protobuf runtime) is missing: run scripts/setup.sh (criu/pycriu.sh)."""
 
 
 def max_depth() -> int:

@@ -3,7 +3,9 @@
 Used on both sides: the controller imports it as ``bunshin_gym.workspace.protocol``; inside
 a workspace it is ``/.bunshin/protocol.py`` (shipped in the runtime layer next to the
 agent), imported by the agent, the desktop input server and the browser driver. So it uses
-the standard library only and imports nothing of bunshin_gym.
+the standard library only; the one exception is its error base, taken from
+:mod:`bunshin_gym.errors` where that is importable (on the controller, so that every error
+the package raises is a ``BunshinError``) and defined here where it is not (inside a workspace).
 
 Framing (unchanged since the first agent): a message is a 4-byte big-endian header length,
 a JSON header, then the binary blobs whose lengths the header lists under ``"_blobs"``.
@@ -47,8 +49,12 @@ class _Default:
 DEFAULT = _Default()
 
 
-class ProtocolError(Exception):
-    """The peer sent something that is not a message, or closed mid-message."""
+try:  # on the controller a wire error is a bunshin error (bunshin_gym.errors); inside a
+    # workspace, where this file is /.bunshin/protocol.py, only the standard library exists
+    from bunshin_gym.errors import ProtocolError
+except ImportError:
+    class ProtocolError(Exception):  # type: ignore[no-redef]
+        """The peer sent something that is not a message, or closed mid-message."""
 
 
 class ReplyTooLarge(ProtocolError):

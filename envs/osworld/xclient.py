@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from bunshin_gym.errors import XError
 from bunshin_gym.workspace.inroot import RootedPath
 from bunshin_gym.workspace.protocol import ProtocolError, RequestTimeout, connect_path, recv_into
 
@@ -33,10 +34,6 @@ from bunshin_gym.workspace.protocol import ProtocolError, RequestTimeout, connec
 MAX_REPLY = 128 << 20
 #: cap on an event the client skips (a GenericEvent carries its own length)
 MAX_EVENT = 1 << 20
-
-
-class XError(OSError):
-    """The X server refused the connection or a request."""
 
 
 class XScreen:

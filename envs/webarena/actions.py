@@ -22,13 +22,10 @@ import re
 from dataclasses import dataclass
 
 from bunshin_gym.envs.webarena.urlguard import origin
+from bunshin_gym.errors import ActionSyntaxError, URLRefused
 
 KINDS = ("click", "type", "hover", "press", "scroll", "new_tab", "tab_focus", "close_tab", "goto", "go_back",
          "go_forward", "stop")
-
-
-class ActionSyntaxError(ValueError):
-    """The action string does not follow the grammar (the message shows the right form)."""
 
 
 @dataclass
@@ -112,10 +109,6 @@ def parse_action(text: str) -> Action:
 
 
 # where the browser may go ------------------------------------------------------------------
-class URLRefused(ValueError):
-    """A URL outside the env's sites (a local file, a browser page, another host or port)."""
-
-
 def check_url(url: str, site_urls: list[str] | tuple[str, ...]) -> str:
     """``url`` if the browser may open it: ``about:blank`` or a page of one of the env's sites
     (same scheme, host and port). Anything else, ``file://``, ``chrome://``, ``view-source:``,

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import time
 
-from bunshin_gym.workspace.errors import ChannelError, WorkspaceError
+from bunshin_gym.errors import ChannelError, DriverError, WorkspaceError
 from bunshin_gym.workspace.inroot import RootedPath
 from bunshin_gym.workspace.protocol import Client
 
 SOCKET = "/run/bunshin/web.sock"
 #: cap on one reply's blobs (a PNG screenshot of the viewport)
 MAX_REPLY = 64 << 20
-
-
-class DriverError(RuntimeError):
-    """The driver answered with an error (a failed browser operation)."""
 
 
 class BrowserClient:
