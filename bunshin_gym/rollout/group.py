@@ -88,6 +88,8 @@ class GroupVectorEnv(VectorEnv):
         lazy: fork a member's workspace only when it is first needed (default: with a
             cache, which can serve steps without one).
         max_workers: threads stepping members at once (default G).
+        step_log: a :class:`~bunshin_gym.rollout.steplog.StepLog` recording every group, step
+            and member's end (what ``bunshin explore`` shows).
         **env_kwargs: passed to ``gym.make(env_id, ...)``.
     """
 
@@ -95,7 +97,7 @@ class GroupVectorEnv(VectorEnv):
 
     def __init__(self, env_id: str, num_envs: int, *, cache: Any = None, speculation: Any = None,
                  member_wrappers: list[Callable] | None = None, lazy: bool | None = None,
-                 max_workers: int | None = None, **env_kwargs: Any):
+                 max_workers: int | None = None, step_log: Any = None, **env_kwargs: Any):
         if num_envs < 1:
             raise ValueError(f"a group needs num_envs >= 1, got {num_envs}")
         self.env_id = env_id
@@ -114,6 +116,9 @@ class GroupVectorEnv(VectorEnv):
         self._last: list[tuple] = []
         self._pool = ThreadPoolExecutor(max_workers=max_workers or num_envs, thread_name_prefix="member")
         self.task_id: str | None = None
+        self.step_log = step_log
+        self._group_id = ""  # the step log's id of the current group
+        self._depth = [0] * num_envs  # steps each member made (the step log's depth)
 
     # vector API ------------------------------------------------------------------------
     def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
@@ -130,6 +135,10 @@ class GroupVectorEnv(VectorEnv):
                 env.start_episode(obs, info)
         self.members = members
         self.active[:] = True
+        self._depth = [0] * self.num_envs
+        if self.step_log is not None:
+            self._group_id = self.step_log.group(task=self.task_id or "", members=self.num_envs,
+                                                 instruction=info.get("instruction") or "", obs=obs)
         self._last = [(obs, 0.0, False, False, dict(info)) for _ in members]
         return self._batch_obs([obs] * self.num_envs), {"task_id": self.task_id, "instruction": info.get("instruction")}
 
@@ -137,14 +146,15 @@ class GroupVectorEnv(VectorEnv):
         """Step every active member with its action (members that finished are skipped and
         keep reporting their final step with reward 0)."""
         actions = list(actions)
-        futures = {i: self._pool.submit(self.members[i].step, actions[i])
+        futures = {i: self._pool.submit(_timed, self.members[i].step, actions[i])
                    for i in range(self.num_envs) if self.active[i]}
         rewards = np.zeros(self.num_envs)
         for i, fut in futures.items():
             try:
-                obs, reward, term, trunc, info = fut.result()
+                (obs, reward, term, trunc, info), tool_s = fut.result()
             except Exception as e:  # noqa: BLE001 - one member's failure ends that member only
-                obs, reward, term, trunc, info = self._failed_step(i, e)
+                (obs, reward, term, trunc, info), tool_s = self._failed_step(i, e), 0.0
+            self._record(i, actions[i], (obs, reward, term, trunc, info), tool_s, None)
             self._last[i] = (obs, reward, term, trunc, info)
             rewards[i] = reward
             if term or trunc:
@@ -188,15 +198,40 @@ class GroupVectorEnv(VectorEnv):
                     traj.error = info.get("error")
                 step = Step(action, obs, float(reward), term, trunc, info, t1 - t0, time.perf_counter() - t1)
                 traj.steps.append(step)
+                self._record(i, action, (obs, reward, term, trunc, info), step.tool_s, step.think_s)
                 self._last[i] = (obs, reward, term, trunc, info)
                 if on_step:
                     on_step(i, step)
                 if term or trunc:
                     self.active[i] = False
             traj.wall_s = time.perf_counter() - t_start
+            if self.step_log is not None:
+                self.step_log.end(self._group_id, i, reward=traj.reward, steps=len(traj.steps), wall_s=traj.wall_s,
+                                  error=traj.error)
             return traj
 
         return list(self._pool.map(episode, range(self.num_envs)))
+
+    def _record(self, i: int, action: Any, result: tuple, tool_s: float, think_s: float | None) -> None:
+        """Member ``i``'s step in the step log, if there is one (a recording failure is logged
+        and the rollout goes on: the log is for looking at, not for training)."""
+        depth, self._depth[i] = self._depth[i], self._depth[i] + 1
+        if self.step_log is None:
+            return
+        obs, reward, term, trunc, info = result
+        env = self.members[i] if i < len(self.members) else None
+        try:
+            from bunshin_gym.rollout.signature import signature
+
+            sig = signature(action, env) if env is not None and action is not None else None
+        except Exception:  # noqa: BLE001 - an action the signature cannot parse is logged by its text
+            sig = None
+        try:
+            self.step_log.step(self._group_id, i, depth, action=action, obs=obs, reward=reward, terminated=term,
+                               truncated=trunc, info=info, duration=tool_s,
+                               think_s=think_s, signature=sig, episode=getattr(env, "episode", None))
+        except Exception:  # noqa: BLE001
+            log.exception("group %s, member %d: recording step %d in the step log failed", self.task_id, i, depth)
 
     def _failed_step(self, i: int, error: Exception) -> tuple:
         """The last step of member ``i`` after it raised: an error observation (its env's, else
@@ -227,6 +262,11 @@ class GroupVectorEnv(VectorEnv):
     def _batch_obs(self, observations: list) -> Any:
         out = create_empty_array(self.single_observation_space, self.num_envs)
         return concatenate(self.single_observation_space, observations, out)
+
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
 
 
 def info_error(error: BaseException) -> str:

@@ -70,7 +70,7 @@ def main(args: Args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from bunshin_gym.config import paths
-    from bunshin_gym.rollout import PrefixCache, SpecToolSelector, Speculation, TrajectoryLog
+    from bunshin_gym.rollout import PrefixCache, SpecToolSelector, Speculation, StepLog, TrajectoryLog
     from bunshin_gym.train import report as reporting
     from bunshin_gym.train.chat import COMPACT_SYSTEM, ChatFormat
     from bunshin_gym.train.policies import LocalGenerator, OpenAICompatibleGenerator, load_hf_policy
@@ -133,6 +133,7 @@ def main(args: Args) -> dict:
 
     # 2. the rollout engine ---------------------------------------------------------------------
     log = TrajectoryLog(out / "trajectories.jsonl")
+    step_log = StepLog(out)  # every group, step and member's end, for `bunshin explore`
     cache = PrefixCache(out / "prefix-cache", log=log) if args.cache else None
     spec = (Speculation(SpecToolSelector.train([]), min_duration=args.spec_min_duration)
             if args.speculation else None)
@@ -141,12 +142,13 @@ def main(args: Args) -> dict:
     rollout = BunshinRollout(fmt, env_id=args.env_id, num_generations=args.num_generations, cache=cache,
                              speculation=spec, generator=server, adapter=adapter, max_turns=args.max_turns,
                              max_turn_tokens=args.max_turn_tokens, max_completion_tokens=args.max_completion_tokens,
-                             max_groups=args.max_groups)
+                             max_groups=args.max_groups, env_kwargs={"step_log": step_log})
     evaluator = server or LocalGenerator(model, fmt, temperature=args.temperature)
     report: dict = {"config": dataclasses.asdict(args), "tasks": task_ids, "out_dir": str(out)}
     try:
         # 3. warm start from the oracle solutions ---------------------------------------------
         t0 = time.perf_counter()
+        step_log.epoch = "warm start (oracle)"
         oracle = oracle_episodes(rollout, tasks) if args.warm_start_steps else []
         losses = warm_start(model, oracle, steps=args.warm_start_steps, lr=args.warm_start_lr, pad_id=fmt.pad_id,
                             target_loss=args.warm_start_loss, seed=args.seed)
@@ -162,6 +164,7 @@ def main(args: Args) -> dict:
             if not args.eval_episodes:
                 return None
             torch.manual_seed(args.seed + 1000)
+            step_log.epoch = f"eval {name}"
             res = rollout.run(task_ids, evaluator, group_size=args.eval_episodes)
             per_task = {t: float(np.mean([e.reward for e in res.episodes if e.task_id == t])) for t in task_ids}
             say(f"evaluation {name}: mean reward {res.mean_reward:.3f} ({len(res.episodes)} episodes, "
@@ -184,6 +187,9 @@ def main(args: Args) -> dict:
         bar = tqdm(total=args.steps, desc="GRPO", unit="step", disable=args.quiet)
 
         class Progress(TrainerCallback):
+            def on_step_begin(self, a, state, control, **kw):
+                step_log.epoch = f"GRPO step {state.global_step + 1}"  # the step's rollouts come next
+
             def on_step_end(self, a, state, control, **kw):
                 last = rollout.history[-1]
                 bar.update(1)
