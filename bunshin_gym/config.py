@@ -1,4 +1,12 @@
-"""Where bunshin-gym keeps its state on the host, all overridable by environment variables.
+"""Configuration: every ``BUNSHIN_*`` environment variable, read here and nowhere else.
+
+:data:`VARIABLES` lists each one (its default and meaning, and who reads it: this package,
+the set-up and test scripts, the kernel-module VM tests, or bunshin itself for a program it
+starts); ``docs/configuration.md`` is generated from that list (:func:`markdown`) and
+``tests/test_config_vars.py`` fails when a variable is read or mentioned anywhere without
+being listed, or read outside this module.
+Values are read at use (a test or a benchmark may set one for a while), through the typed
+functions below or :func:`get`.
 
 ``BUNSHIN_HOME`` (default ``/var/lib/bunshin``) holds the btrfs pool file and its mount,
 the CRIU build and the runtime layer; ``BUNSHIN_RUN`` (default ``/run/bunshin``) holds
@@ -11,6 +19,143 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+#: who reads a variable (the table's "read by" column)
+PACKAGE = "bunshin_gym"
+SCRIPTS = "scripts"
+KMOD_VM = "kmod VM tests"
+INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: ``default`` as the table shows it ("" when unset means
+    "off" or "none"), what it does, and who reads it."""
+
+    name: str
+    default: str
+    meaning: str
+    read_by: str = PACKAGE
+
+
+#: every BUNSHIN_* variable, in the order of docs/configuration.md
+VARIABLES: tuple[Variable, ...] = (
+    # where things live
+    Variable("BUNSHIN_HOME", "/var/lib/bunshin", "state on the host: the pool file and its mount, the CRIU build, "
+             "the runtime layer, caches (the scripts read it too)"),
+    Variable("BUNSHIN_RUN", "/run/bunshin", "records of live workspaces, logs, CRIU's kernel-feature cache "
+             "(gone with a reboot, as the workspaces are)"),
+    Variable("BUNSHIN_POOL_FILE", "$BUNSHIN_HOME/pool.img", "the btrfs pool's sparse loop file (or a block device)"),
+    Variable("BUNSHIN_POOL_SIZE", "60G", "size of the pool file set-up creates"),
+    Variable("BUNSHIN_POOL", "$BUNSHIN_HOME/pool", "where the btrfs pool is mounted"),
+    Variable("BUNSHIN_CRIU_PREFIX", "$BUNSHIN_HOME/criu", "install prefix of the patched CRIU"),
+    Variable("BUNSHIN_CGROUP_ROOT", "/sys/fs/cgroup", "the cgroup hierarchy workspaces are created under "
+             "(read at import)"),
+    Variable("BUNSHIN_RECIPES", "", "colon-separated directories of extra image recipes (*.toml)"),
+    Variable("BUNSHIN_OSWORLD_CACHE", "", "colon-separated directories searched for OSWorld task files before "
+             "the shipped assets"),
+    # containment and limits
+    Variable("BUNSHIN_USERNS", "1", "0 runs workspaces without a user namespace"),
+    Variable("BUNSHIN_USERNS_BASE", "1000000", "host uid/gid of root inside a workspace (65536 ids from it)"),
+    Variable("BUNSHIN_WS_MEMORY", "8G", "a workspace's memory cgroup limit (no swap); max: unlimited"),
+    Variable("BUNSHIN_WS_PIDS", "4096", "a workspace's processes and threads; max: unlimited"),
+    Variable("BUNSHIN_WS_DISK", "8G", "what a workspace may write (a btrfs quota on its subvolume); max: unlimited"),
+    # snapshots and memory modes
+    Variable("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8", "ancestors' page files a snapshot may reference before it is "
+             "flattened"),
+    Variable("BUNSHIN_DUMP_TRIES", "4", "tries of a CRIU dump that failed only to seize a task"),
+    Variable("BUNSHIN_CRIU_DUMP_VERBOSITY", "3", "CRIU's log level for dumps (4 logs debug lines into each "
+             "snapshot's criu/dump.log, ~30 ms more frozen time)"),
+    Variable("BUNSHIN_SHARE_KSM", "0", "1 makes share clones KSM-mergeable too (equal pages they write merge)"),
+    Variable("BUNSHIN_SHARE_ANON", "", "ksm: share mode serves anonymous memory through KSM, not userfaultfd"),
+    Variable("BUNSHIN_UFFD_DELTA", "1", "0: a snapshot of a uffd-served clone records all its pages, not only "
+             "those it wrote"),
+    Variable("BUNSHIN_KMOD_DOUBLE", "", "copy: kmod mode copies pages instead of sharing them through the kernel "
+             "module (a test double)"),
+    # set by bunshin for its own CRIU action script (kmod mode); not configuration
+    Variable("BUNSHIN_KMOD_REPORT", "", "where the kmod action script writes its report", INTERNAL),
+    Variable("BUNSHIN_KMOD_STOP", "", "1: the kmod action script stops the restored holder", INTERNAL),
+    Variable("BUNSHIN_KMOD_HOLDER", "", "PID1:CGROUP of the holder the kmod action script shares from", INTERNAL),
+    # the scripts
+    Variable("BUNSHIN_VENV", "$REPO/.venv", "the virtual environment set-up creates and the scripts run", SCRIPTS),
+    Variable("BUNSHIN_IMAGES", "base webarena osworld", "images set-up builds", SCRIPTS),
+    Variable("BUNSHIN_BUILD", "$BUNSHIN_HOME/build", "work directory of the CRIU and pycriu builds", SCRIPTS),
+    Variable("BUNSHIN_MIRROR", "", "Debian archive for debootstrap and the CRIU source (default: the one apt "
+             "uses); also read by image builds, through scripts/lib/host.sh", SCRIPTS),
+    # the kernel module's VM tests (kmod/vmtest.sh, kmod/e2e.sh and the programs they start)
+    Variable("BUNSHIN_KMOD_BUILD", "kmod/build", "build directory of the VM tests", KMOD_VM),
+    Variable("BUNSHIN_KMOD_CACHE", "/var/cache/bunshin-kmod", "kernel and module cache of the VM tests", KMOD_VM),
+    Variable("BUNSHIN_KMOD_MIB", "1024", "MiB the kmod benchmark shares", KMOD_VM),
+    Variable("BUNSHIN_KMOD_VM_MEM", "3584M (e2e: 6144M)", "memory of the test VM", KMOD_VM),
+    Variable("BUNSHIN_KMOD_KVER", "", "kernel version to test against (default: the newest cached)", KMOD_VM),
+    Variable("BUNSHIN_KMOD_TIMEOUT", "900 (bench 1500, e2e 3600)", "seconds the VM may run", KMOD_VM),
+    Variable("BUNSHIN_KMOD_E2E_PYTEST", "tests/test_kmod_e2e.py", "the pytest words the e2e VM runs", KMOD_VM),
+    Variable("BUNSHIN_KMOD_E2E_MEMORY", "1", "0 skips the e2e memory measurement", KMOD_VM),
+    Variable("BUNSHIN_KMOD_E2E_POOL", "8G", "size of the e2e VM's pool", KMOD_VM),
+    Variable("BUNSHIN_KMOD_KEEP_POOL", "0", "1 keeps the e2e VM's pool image afterwards", KMOD_VM),
+    Variable("BUNSHIN_E2E_CLONES", "4", "clones of the e2e memory measurement", KMOD_VM),
+    Variable("BUNSHIN_E2E_HEAP_MB", "64", "heap MB of the e2e memory measurement", KMOD_VM),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def get(name: str, default: str | None = None) -> str:
+    """The value of a listed variable when set, else ``default``, else its listed default (for
+    one derived from another variable, such as ``$BUNSHIN_HOME/pool``, the caller passes the
+    derived value). A name not in :data:`VARIABLES` is a ``KeyError``: a new variable is
+    listed (and so documented) first."""
+    try:
+        var = _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a listed variable: add it to bunshin_gym.config.VARIABLES") from None
+    return os.environ.get(name, var.default if default is None else default)
+
+
+def colon_dirs(name: str) -> list[str]:
+    """The non-empty entries of a colon-separated list of directories (``BUNSHIN_RECIPES``,
+    ``BUNSHIN_OSWORLD_CACHE``)."""
+    return [d for d in get(name).split(":") if d]
+
+
+def cgroup_root() -> Path:
+    """``BUNSHIN_CGROUP_ROOT``: where workspaces' cgroups are created."""
+    return Path(get("BUNSHIN_CGROUP_ROOT"))
+
+
+def max_snapshot_depth() -> int:
+    """``BUNSHIN_MAX_SNAPSHOT_DEPTH``: how many ancestors' page files a snapshot may reference
+    before it is flattened (an empty value is the default, as it always was)."""
+    return int(get("BUNSHIN_MAX_SNAPSHOT_DEPTH") or _BY_NAME["BUNSHIN_MAX_SNAPSHOT_DEPTH"].default)
+
+
+def dump_tries() -> int:
+    """``BUNSHIN_DUMP_TRIES``: how often a dump that failed to seize a task is tried (at least once)."""
+    return max(1, int(get("BUNSHIN_DUMP_TRIES")))
+
+
+def criu_dump_verbosity() -> int:
+    """``BUNSHIN_CRIU_DUMP_VERBOSITY``: CRIU's log level for dumps."""
+    return int(get("BUNSHIN_CRIU_DUMP_VERBOSITY"))
+
+
+def share_ksm() -> bool:
+    """``BUNSHIN_SHARE_KSM=1``: share mode's uffd clones are KSM-mergeable too."""
+    return get("BUNSHIN_SHARE_KSM") == "1"
+
+
+def share_anon_forced_ksm() -> bool:
+    """``BUNSHIN_SHARE_ANON=ksm``: share mode serves anonymous memory through KSM."""
+    return get("BUNSHIN_SHARE_ANON").lower() == "ksm"
+
+
+def uffd_delta() -> bool:
+    """``BUNSHIN_UFFD_DELTA`` (on unless ``0``): snapshots of uffd clones are deltas."""
+    return get("BUNSHIN_UFFD_DELTA") != "0"
+
+
+def kmod_double_copy() -> bool:
+    """``BUNSHIN_KMOD_DOUBLE=copy``: kmod mode's test double that copies pages."""
+    return get("BUNSHIN_KMOD_DOUBLE") == "copy"
 
 
 @dataclass(frozen=True)
@@ -55,14 +200,14 @@ class Paths:
 
 def paths() -> Paths:
     """Read the configuration from the environment (cheap; call it where needed)."""
-    home = Path(os.environ.get("BUNSHIN_HOME", "/var/lib/bunshin"))
+    home = Path(get("BUNSHIN_HOME"))
     return Paths(
         home=home,
-        run=Path(os.environ.get("BUNSHIN_RUN", "/run/bunshin")),
-        pool_file=Path(os.environ.get("BUNSHIN_POOL_FILE", str(home / "pool.img"))),
-        pool_size=os.environ.get("BUNSHIN_POOL_SIZE", "60G"),
-        pool=Path(os.environ.get("BUNSHIN_POOL", str(home / "pool"))),
-        criu_prefix=Path(os.environ.get("BUNSHIN_CRIU_PREFIX", str(home / "criu"))),
+        run=Path(get("BUNSHIN_RUN")),
+        pool_file=Path(get("BUNSHIN_POOL_FILE", str(home / "pool.img"))),
+        pool_size=get("BUNSHIN_POOL_SIZE"),
+        pool=Path(get("BUNSHIN_POOL", str(home / "pool"))),
+        criu_prefix=Path(get("BUNSHIN_CRIU_PREFIX", str(home / "criu"))),
     )
 
 
@@ -111,9 +256,9 @@ def userns_base() -> int | None:
     """The host uid/gid of root inside workspaces (their user namespace maps 65536 ids from it):
     ``BUNSHIN_USERNS_BASE`` (default 1000000); None when ``BUNSHIN_USERNS=0`` turns the user
     namespace off."""
-    if os.environ.get("BUNSHIN_USERNS", "1") == "0":
+    if get("BUNSHIN_USERNS") == "0":
         return None
-    return int(os.environ.get("BUNSHIN_USERNS_BASE", "1000000"))
+    return int(get("BUNSHIN_USERNS_BASE"))
 
 
 def parse_size(value: str | int | None) -> int:
@@ -163,11 +308,10 @@ class Limits:
     @classmethod
     def from_env(cls) -> Limits:
         """The defaults, overridden by ``BUNSHIN_WS_MEMORY``, ``BUNSHIN_WS_PIDS``, ``BUNSHIN_WS_DISK``."""
-        d = cls()
         return cls(
-            memory=parse_size(os.environ.get("BUNSHIN_WS_MEMORY", str(d.memory))),
-            pids=_parse_count(os.environ.get("BUNSHIN_WS_PIDS", str(d.pids))),
-            disk=parse_size(os.environ.get("BUNSHIN_WS_DISK", str(d.disk))),
+            memory=parse_size(get("BUNSHIN_WS_MEMORY")),
+            pids=_parse_count(get("BUNSHIN_WS_PIDS")),
+            disk=parse_size(get("BUNSHIN_WS_DISK")),
         )
 
     @classmethod
@@ -204,3 +348,29 @@ def _parse_count(value: str | int | None) -> int:
     if n < 0:
         raise ValueError(f"a process count cannot be negative: {value!r}")
     return n
+
+
+# the documentation ------------------------------------------------------------------------
+_SECTIONS = ((PACKAGE, "Read by the package"), (INTERNAL, "Set by bunshin for a program it starts (not configuration)"),
+             (SCRIPTS, "Read by the set-up and test scripts"),
+             (KMOD_VM, "Read by the kernel module's VM tests (kmod/)"))
+
+
+def markdown() -> str:
+    """docs/configuration.md, generated from :data:`VARIABLES`."""
+    out = ["# Configuration", "",
+           "<!-- generated from bunshin_gym/config.py's VARIABLES; tests/test_config_vars.py checks it is",
+           "     current. Regenerate: python -c 'import bunshin_gym.config as c; print(c.markdown(), end=\"\")'",
+           "     > docs/configuration.md -->", "",
+           "bunshin-gym is configured by environment variables only, all named `BUNSHIN_*`, all read",
+           "in `bunshin_gym/config.py` (the package reads no other). Values are read when used, so a",
+           "process may change one between operations. Per-workspace limits (`BUNSHIN_WS_*`) are",
+           "defaults: `Workspace.create(limits=...)` and the envs' `limits=` override them, and",
+           "clones keep their snapshot's."]
+    for key, title in _SECTIONS:
+        out += ["", f"## {title}", "", "| variable | default | meaning |", "|---|---|---|"]
+        for v in VARIABLES:
+            if v.read_by == key:
+                default = f"`{v.default}`" if v.default else "(unset)"
+                out.append(f"| `{v.name}` | {default} | {v.meaning} |")
+    return "\n".join(out) + "\n"

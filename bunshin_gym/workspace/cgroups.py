@@ -16,10 +16,10 @@ import stat
 import time
 from pathlib import Path
 
-from bunshin_gym.config import Limits
+from bunshin_gym.config import Limits, cgroup_root
 from bunshin_gym.workspace.errors import WorkspaceError
 
-CGROOT = Path(os.environ.get("BUNSHIN_CGROUP_ROOT", "/sys/fs/cgroup"))
+CGROOT = cgroup_root()
 PARENT = "bunshin"
 
 

@@ -23,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from bunshin_gym.config import Paths, criu_carries, paths
+from bunshin_gym.config import Paths, criu_carries, paths, uffd_delta
 from bunshin_gym.workspace import flatten, records, uffd
 from bunshin_gym.workspace.errors import ForkError
 
@@ -165,7 +165,7 @@ def dump_delta(rec: records.Record, parent_id: str | None, p: Paths | None = Non
     monitor a delta: the pages it never wrote since its restore from ``parent_id`` are recorded
     as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off."""
     p = p or paths()
-    if (not parent_id or "uffd" not in rec.extra or os.environ.get("BUNSHIN_UFFD_DELTA", "1") == "0"
+    if (not parent_id or "uffd" not in rec.extra or not uffd_delta()
             or not uffd.has_image_copy(parent_id, p) or not criu_has_delta(p)):
         return [], {}
     return ["--prev-images-dir", f"../../{parent_id}/criu"], {"CRIU_UFFD_PARENT": parent_id}

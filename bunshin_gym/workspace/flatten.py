@@ -43,7 +43,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, max_snapshot_depth, paths
 from bunshin_gym.errors import FlattenUnavailable, SnapshotError
 
 if TYPE_CHECKING:
@@ -59,11 +59,9 @@ _FICLONE = 0x40049409
 
 
 def max_depth() -> int:
-    """How many ancestors' page files a snapshot may reference before it is flattened."""
-    from bunshin_gym.workspace import snapshot
-
-    value = os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH")
-    return int(value) if value else snapshot.MAX_DEPTH
+    """How many ancestors' page files a snapshot may reference before it is flattened
+    (``BUNSHIN_MAX_SNAPSHOT_DEPTH``, read at use)."""
+    return max_snapshot_depth()
 
 
 # CRIU images ---------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Paths, colon_dirs, paths
 from bunshin_gym.workspace import idmap, pool
 from bunshin_gym.workspace.errors import SetupError, UnknownImage, WorkspaceError
 
@@ -89,8 +89,8 @@ class Recipe:
 def recipe_paths() -> dict[str, Path]:
     """All known recipes by image name: the package's, each env's image.toml, $BUNSHIN_RECIPES."""
     files = sorted(PACKAGE_RECIPES.glob("*.toml")) + sorted(REPO_ENVS.glob("*/image.toml"))
-    for d in os.environ.get("BUNSHIN_RECIPES", "").split(":"):
-        files += sorted(Path(d).glob("*.toml")) if d else []
+    for d in colon_dirs("BUNSHIN_RECIPES"):
+        files += sorted(Path(d).glob("*.toml"))
     found: dict[str, Path] = {}
     for f in files:
         try:

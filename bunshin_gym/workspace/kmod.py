@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bunshin_gym import kmod_share
+from bunshin_gym import config, kmod_share
 from bunshin_gym.config import Paths, criu_carries, paths
 from bunshin_gym.workspace import records
 from bunshin_gym.workspace.errors import SetupError
@@ -61,7 +61,7 @@ def unavailable_reason(p: Paths | None = None) -> str | None:
         return f"CRIU is not built ({p.criu}); run: criu/build.sh"
     if not criu_carries(CRIU_MARKER, p):
         return f"{p.criu} lacks criu/patches/0012-restore-skip-anon-pages.patch; run: criu/build.sh"
-    if os.environ.get(DOUBLE_ENV) == "copy":
+    if config.kmod_double_copy():
         return None
     if not kmod_share.available():
         return (f"the bunshin_share kernel module is not loaded ({kmod_share.DEVICE} is missing): build and "
@@ -141,7 +141,7 @@ def _resident_runs(pagemap, start: int, length: int, chunk: int = 1 << 15):
 
 
 def sharer() -> Sharer:
-    if os.environ.get(DOUBLE_ENV) == "copy":
+    if config.kmod_double_copy():
         return MemCopySharer()
     return ModuleSharer()
 
@@ -400,15 +400,15 @@ def main() -> int:
 
     from bunshin_gym.workspace.cgroups import Cgroup
 
-    report = Path(os.environ["BUNSHIN_KMOD_REPORT"])
+    report = Path(config.get("BUNSHIN_KMOD_REPORT"))
     root = int(os.environ["CRTOOLS_INIT_PID"])
     tree = _tree_pids(root)
-    if os.environ.get("BUNSHIN_KMOD_STOP") == "1":  # a holder
+    if config.get("BUNSHIN_KMOD_STOP") == "1":  # a holder
         _stop(tree)
         report.write_text(json.dumps({"stopped": len(tree)}))
         return 0
     try:
-        holder_pid1, holder_cgroup = os.environ["BUNSHIN_KMOD_HOLDER"].split(":", 1)
+        holder_pid1, holder_cgroup = config.get("BUNSHIN_KMOD_HOLDER").split(":", 1)
         holder = tree_by_ns_pid(int(holder_pid1), Cgroup(holder_cgroup).pids())
         stats = share_tree(holder, tree_by_ns_pid(root, tree), sharer())
         report.write_text(json.dumps(asdict(stats)))

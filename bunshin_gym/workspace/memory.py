@@ -34,7 +34,7 @@ import os
 from enum import StrEnum
 from pathlib import Path
 
-from bunshin_gym.config import paths
+from bunshin_gym.config import paths, share_ksm
 
 
 class MemoryMode(StrEnum):
@@ -77,10 +77,11 @@ def uses_uffd(mode: MemoryMode) -> bool:
 def uses_ksm(mode: MemoryMode) -> bool:
     """Whether clones of this mode are made KSM-mergeable (and ksmd is tuned up while they run)."""
     return mode is MemoryMode.KSM or (mode is MemoryMode.SHARE and (
-        share_anon_mechanism() == "ksm" or os.environ.get(SHARE_KSM_ENV, "0") == "1"))
+        share_anon_mechanism() == "ksm" or share_ksm()))
 
 
-#: set to 1: share mode's uffd clones are KSM-mergeable too (the pages they write merge)
+#: set to 1: share mode's uffd clones are KSM-mergeable too (the pages they write merge;
+#: read by config.share_ksm)
 SHARE_KSM_ENV = "BUNSHIN_SHARE_KSM"
 
 
@@ -145,8 +146,6 @@ def ksm_release(user: str, live: set[str] | None = None) -> None:
 
 def ksmd_cpu_seconds() -> float:
     """CPU time ksmd has used since boot."""
-    import os
-
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:

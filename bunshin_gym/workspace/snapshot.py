@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bunshin_gym import config
 from bunshin_gym.config import Limits, Paths, criu_env, paths
 from bunshin_gym.workspace import (
     delta,
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 #: the default depth past which snapshot chains are flattened: a snapshot whose images would
 #: reference more ancestors' page files (``ref_depth``) takes those files over (see
 #: :mod:`bunshin_gym.workspace.flatten`). BUNSHIN_MAX_SNAPSHOT_DEPTH, read at use, overrides it.
-MAX_DEPTH = int(os.environ.get("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8"))
+MAX_DEPTH = config.max_snapshot_depth()
 
 #: ``--skip-in-flight``: a TCP connection still in a listening socket's accept queue cannot be
 #: dumped ("In-flight connection"); it is dropped instead (its client sees a reset). Chromium's
@@ -325,7 +326,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
 
 def dump_tries() -> int:
     """How often a dump that failed to seize a task is tried (``BUNSHIN_DUMP_TRIES``, default 4)."""
-    return max(1, int(os.environ.get("BUNSHIN_DUMP_TRIES", "4")))
+    return config.dump_tries()
 
 
 def _make_images_dir(criu_dir: Path) -> None:
@@ -642,7 +643,7 @@ def network_lock(pid1: int) -> str:
 def dump_verbosity() -> int:
     """CRIU's log level for dumps, ``BUNSHIN_CRIU_DUMP_VERBOSITY`` (default 3, info). The dump
     runs while the workspace is frozen: debug logging (4) costs about 30 ms of frozen time."""
-    return int(os.environ.get("BUNSHIN_CRIU_DUMP_VERBOSITY", "3"))
+    return config.criu_dump_verbosity()
 
 
 def _exit_text(returncode: int) -> str:

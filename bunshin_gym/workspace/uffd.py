@@ -36,7 +36,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from bunshin_gym.config import Paths, criu_carries, paths
+from bunshin_gym.config import Paths, criu_carries, paths, share_anon_forced_ksm
 from bunshin_gym.workspace import idmap, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
@@ -79,7 +79,7 @@ def _kernel_probe(binary: str) -> tuple[bool, str]:
 def unavailable_reason(p: Paths | None = None) -> str | None:
     """Why the mechanism cannot be used on this host (None when it can)."""
     p = p or paths()
-    if os.environ.get("BUNSHIN_SHARE_ANON", "").lower() == "ksm":
+    if share_anon_forced_ksm():
         return "BUNSHIN_SHARE_ANON=ksm"
     try:
         binary = monitor_binary(p)

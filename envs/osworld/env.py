@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from bunshin_gym.config import colon_dirs
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text
 from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, tasks
@@ -182,7 +183,7 @@ class OSWorldEnv(WorkspaceEnv):
         self.wait_seconds = wait_seconds
         self.action_timeout = action_timeout
         extra = [cache_dir] if isinstance(cache_dir, (str, os.PathLike)) else list(cache_dir or [])
-        extra += [d for d in os.environ.get("BUNSHIN_OSWORLD_CACHE", "").split(":") if d]
+        extra += colon_dirs("BUNSHIN_OSWORLD_CACHE")
         self.cache = FileCache([*extra, ASSETS_DIR])
         w, h = self.screen_size
         text = spaces.Text(MAX_TEXT, min_length=0, charset=CHARSET)
