@@ -14,18 +14,35 @@ parent waits, uninterruptibly, until its child execs or exits) never stops: its 
 stopped by CRIU before it can exec, so the parent stays in state D until CRIU's timeout
 ("Unseizable non-zombie ... state D"). Before dumping, :func:`unseizable` finds such tasks;
 ``take`` then thaws briefly so the child can exec, and freezes again.
+
+Infectability: CRIU's compel writes its syscall blob with ``PTRACE_POKEDATA`` at the start of
+each process's first executable mapping. In a share-mode clone that mapping can be anonymous
+memory served through userfaultfd (chromium's 512 MB RWX code range is), and a page the program
+dropped (``MADV_DONTNEED``: V8 discards freed code pages) and has not touched since is not
+present. ptrace reaches it through ``get_user_pages_remote`` without ``FAULT_FLAG_ALLOW_RETRY``,
+so the kernel cannot wait for the monitor: ``handle_userfault`` answers ``VM_FAULT_SIGBUS``, the
+peek and poke fail with EIO and CRIU gives up ("Can't infect ... with parasite"; compel's peek
+check compares with ``-1U`` and misses its own EIO). :func:`fault_in_parasite_pages` reads those
+pages with ``process_vm_readv`` first, which may wait: the monitor maps the page (a zero page
+for a dropped one, exactly what the program would read), and the poke then succeeds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
 import fcntl
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from bunshin_gym.workspace import records
+
+log = logging.getLogger(__name__)
 
 MARKER = ".in-progress"
 
@@ -89,3 +106,57 @@ def unseizable(pids: list[int]) -> list[tuple[int, str]]:
         if wchan in _WAITS_FOR_OTHERS:
             out.append((pid, wchan))
     return out
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+
+#: bytes compel overwrites at a task's first executable address: the syscall blob (8) and,
+#: after it, the memfd name "CRIUMFD" (compel/include/infect-priv.h); all in its first page
+PARASITE_SPAN = 16
+#: CRIU's get_exec_start skips mappings at or above the task size (the vsyscall page)
+_TASK_SIZE = 1 << 47
+
+
+def exec_start(pid: int) -> int | None:
+    """Where CRIU puts its syscall blob in ``pid``: the start of its first executable mapping
+    below the task size (criu/parasite-syscall.c ``get_exec_start``); None if it has none."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            for line in f:
+                span, perms = line.split(b" ", 2)[:2]
+                start = int(span.split(b"-", 1)[0], 16)
+                if perms[2:3] == b"x" and start < _TASK_SIZE:
+                    return start
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def fault_in_parasite_pages(pids: list[int]) -> list[tuple[int, int, int]]:
+    """Make the page CRIU's parasite is written to present in every process of ``pids`` (see
+    the module's notes): ``process_vm_readv`` of its first bytes, which, unlike ptrace, may
+    wait for a userfaultfd monitor to serve the fault. Threads share their leader's memory, so
+    one read per process is enough; reading a present page changes nothing. Returns the
+    (pid, address, errno) of reads that failed (a process that exited meanwhile is not one)."""
+    failed = []
+    buf = ctypes.create_string_buffer(PARASITE_SPAN)
+    for pid in pids:
+        start = exec_start(pid)
+        if start is None:
+            continue
+        local = _IoVec(ctypes.cast(buf, ctypes.c_void_p), PARASITE_SPAN)
+        remote = _IoVec(start, PARASITE_SPAN)
+        if _libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) < 0:
+            err = ctypes.get_errno()
+            if err != errno.ESRCH:
+                failed.append((pid, start, err))
+    if failed:
+        log.warning("could not read the parasite's page of %s: CRIU may fail to infect them", failed)
+    return failed

@@ -342,6 +342,7 @@ def _freeze_and_dump(ws: Workspace, path: Path, times: dict[str, float], env: di
     t0 = time.perf_counter()
     try:
         times["refreezes"] = _freeze_seizable(cg, ws.id)
+        dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
         times["freeze_ms"] = _ms(t0)
         t = time.perf_counter()
         pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
@@ -388,7 +389,9 @@ def _freeze_seizable(cg: Cgroup, ws_id: str) -> int:
 
 #: CRIU log lines of a dump that failed to seize a task: another freeze and dump can succeed
 _SEIZE_ERRORS = ("Unseizable non-zombie", "Timeout reached", "task not stopped after seize",
-                 "found while seizing", "Unable to freeze cgroup", "Task pid reused while suspending")
+                 "found while seizing", "Unable to freeze cgroup", "Task pid reused while suspending",
+                 # the parasite's page dropped again after it was read in (CRIU thaws to seize)
+                 "POKEDATA failed: Input/output error")
 
 
 def _seize_failed(log_path: Path) -> bool:
