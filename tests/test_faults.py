@@ -27,6 +27,7 @@ from bunshin_gym.workspace import snapshot as snapshot_mod
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SnapshotError
 from bunshin_gym.workspace.snapshot import SnapshotStore
+from bunshin_gym.workspace.workspace import reclaim
 
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /run/counter; sleep 0.05; done"
 #: a process holding ~MB of distinct pages, so that a dump takes long enough to be interrupted
@@ -747,3 +748,85 @@ def test_a_share_clone_whose_parasite_page_was_dropped_snapshots_and_runs_on():
         ws.close()
         for s in reversed(snaps):
             s.delete()
+
+
+# 11. the creating process is killed mid-create ----------------------------------------------
+#: a controller that creates a detached workspace and SIGKILLs itself at one point of create
+KILLED_CREATE = """
+    import os, signal, subprocess, sys
+    from bunshin_gym.workspace import Workspace, pool, workspace
+    from bunshin_gym.workspace.cgroups import Cgroup
+
+    point, ws_id = sys.argv[1], sys.argv[2]
+
+    def die(*a, **kw):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_run = subprocess.run
+
+    def run(argv, *a, **kw):  # the launch of PID 1 (`init launch ...`) only
+        proc = real_run(argv, *a, **kw)
+        if point == "launched" and len(argv) > 1 and argv[1] == "launch":
+            die()
+        return proc
+
+    if point == "record":  # the record is saved, nothing else exists yet
+        pool.create_subvolume = die
+    elif point == "subvolume":  # the subvolume (upper, work) exists, no cgroup
+        Cgroup.create = die
+    elif point == "cgroup":  # the cgroup exists, nothing launched
+        workspace.snapview.empty_view = die
+    elif point == "launched":  # PID 1 runs in its namespaces and cgroup, not recorded yet
+        subprocess.run = run
+    elif point == "recorded":  # PID 1 recorded, its agent not answered yet
+        Workspace._connect = die
+    Workspace.create("base", detached=True, ws_id=ws_id)
+    print("created", flush=True)
+"""
+
+
+def _host_procs_naming(ws_id: str) -> list[str]:
+    """Host processes whose command line names the workspace (a launcher cut off before it
+    put PID 1 into the cgroup would be outside it)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmd = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if ws_id in cmd:
+                found.append(f"{entry.name} {cmd}")
+    return found
+
+
+@pytest.mark.parametrize("point", ["record", "subvolume", "cgroup", "launched", "recorded"])
+def test_gc_reclaims_a_detached_workspace_whose_create_was_killed(point):
+    """The creating process is SIGKILLed at a point of Workspace.create(detached=True). Before,
+    a detached record had no owner from the start, so whatever the killed create had made
+    (record, subvolume, cgroup, a running PID 1 with its mount and network namespaces) was
+    never reclaimed by gc. Now the record is owned by its creator until create returns: gc
+    reclaims it and nothing is left (the namespaces go with the processes; the mounts are
+    checked by name)."""
+    ws_id = f"ws-kc{os.urandom(3).hex()}"
+    ctl = subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILLED_CREATE), point, ws_id], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = ctl.communicate(timeout=120)
+        assert ctl.returncode == -signal.SIGKILL, f"the controller was not killed at {point}: {out} {err}"
+        rec = records.load(ws_id)
+        assert rec is not None, "the record is written first"
+        assert (rec.pid1 is not None) == (point == "recorded")
+        if point in ("launched", "recorded"):
+            assert leftovers({ws_id}).get("processes"), "PID 1 runs"
+        rep = gc.collect()
+        assert ws_id in rep.workspaces
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        left = leftovers({ws_id})
+        if left and records.load(ws_id) is not None:
+            reclaim(records.load(ws_id))  # never leave it to other tests
+    assert not left, f"gc left {left}"
+    assert not _host_procs_naming(ws_id)

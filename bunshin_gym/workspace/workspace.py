@@ -90,9 +90,11 @@ class Workspace:
             # reclaiming the failed create would destroy the workspace that has this id
             raise WorkspaceError(f"workspace id {ws_id!r} is already in use")
         me = os.getpid()
+        # owned by this process until create returns, detached too: a create cut short (this
+        # process killed at any point) leaves a record whose owner is dead, which gc reclaims
         rec = records.Record(
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
-            owner=None if detached else me, owner_start=None if detached else records.proc_start_time(me),
+            owner=me, owner_start=records.proc_start_time(me),
             created=time.time(), layer=str(layer), memory_mode=mode.value,
             extra={"limits": limits.as_dict()},
         )
@@ -120,6 +122,9 @@ class Workspace:
             rec.pid1_start = records.proc_start_time(rec.pid1)
             records.save(rec, p)
             ws._connect(ready_timeout)
+            if detached:  # handed over: it runs on after this process, until stopped
+                rec.owner = rec.owner_start = None
+                records.save(rec, p)
         except BaseException:
             ws.close()
             raise
