@@ -1,0 +1,1 @@
+"""Faithful interfaces of other benchmarks (OSWorld, BrowserGym) over bunshin-gym envs."""

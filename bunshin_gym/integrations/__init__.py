@@ -1,0 +1,1 @@
+"""Drop-in adapters of bunshin-gym envs for other agent-RL code bases (TRL, OpenEnv, SkyRL, verl)."""
