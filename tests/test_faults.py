@@ -830,3 +830,118 @@ def test_gc_reclaims_a_detached_workspace_whose_create_was_killed(point):
             reclaim(records.load(ws_id))  # never leave it to other tests
     assert not left, f"gc left {left}"
     assert not _host_procs_naming(ws_id)
+
+
+# 12. CRIU killed while it holds the network lock ---------------------------------------------
+#: a TCP connection inside the workspace carrying a message every 20 ms, counted in /run/tcp_n,
+#: and ~120 MB of distinct pages so that the dump lasts long enough to be cut
+TCP_LOOP = """
+import os, socket, time
+b = bytearray(os.urandom(1 << 20)) * 120
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7000)); s.listen()
+c = socket.create_connection(("127.0.0.1", 7000)); a, _ = s.accept()
+i = 0
+while True:
+    c.sendall(b"x"); a.recv(1); i += 1
+    open("/run/tcp_n", "w").write(str(i))
+    time.sleep(0.02)
+"""
+
+
+def _tcp_count(ws: Workspace) -> int:
+    return int(ws.read_file("/run/tcp_n").decode() or 0)
+
+
+def _lock_tables(pid1: int) -> list[str]:
+    out = dumping._nft(pid1, "list", "tables").stdout
+    return [line for line in out.splitlines() if dumping.LOCK_TABLE_PREFIX in line]
+
+
+def _criu_arg(pid: int, flag: str) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index(flag) + 1]
+
+
+def _stopped_holding_the_lock(criu: int, pid1: int) -> bool:
+    """SIGSTOP the dumping CRIU once its network lock is in place and before it infects any
+    task; True if caught there. (Not later: a CRIU killed while its syscall blob runs in a task
+    leaves that task to trap on the blob's int3, a different fault.) If missed, CRIU runs on."""
+    log_path = Path(_criu_arg(criu, "-D")) / "dump.log"
+    deadline = time.monotonic() + 60
+    while "Lock network" not in (log_path.read_text(errors="replace") if log_path.exists() else ""):
+        if time.monotonic() > deadline or not records.process_alive(criu, records.proc_start_time(criu)):
+            return False
+        time.sleep(0.0005)
+    os.kill(criu, signal.SIGSTOP)
+    for _ in range(200):  # the table is made just after that line: let CRIU on a millisecond at a time
+        if _lock_tables(pid1):
+            break
+        os.kill(criu, signal.SIGCONT)
+        time.sleep(0.001)
+        os.kill(criu, signal.SIGSTOP)
+    if _lock_tables(pid1) and "Dumping task" not in log_path.read_text(errors="replace"):
+        return True
+    os.kill(criu, signal.SIGCONT)
+    return False
+
+
+@pytest.mark.parametrize("also_killed", ["criu", "criu+controller"])
+def test_criu_killed_holding_the_network_lock_leaves_the_connections_working(also_killed):
+    """A workspace with a TCP connection is dumped with CRIU's nftables network lock (a table
+    in its network namespace that drops every packet). CRIU SIGKILLed while it holds it left
+    the table: the source was thawed but its connection carried nothing, for good. Now the
+    snapshot's failure path (CRIU alone killed) or gc (controller killed too) deletes it."""
+    ws = Workspace.create("base", detached=also_killed != "criu")
+    ctl = None
+    errors: list[BaseException] = []
+    made: list = []
+
+    def take():
+        try:
+            made.append(ws.snapshot())
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    try:
+        ws.spawn(["python3", "-c", TCP_LOOP])
+        host.wait_file(ws, "/run/tcp_n", timeout=120)
+        assert snapshot_mod.network_lock(ws.pid) == "nftables"
+        if also_killed != "criu":
+            ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
+        for _ in range(5):  # until CRIU is caught holding the lock, before it infects a task
+            if also_killed == "criu":
+                ctl = threading.Thread(target=take)
+                ctl.start()
+            else:
+                ctl = _controller(f"""
+                    from bunshin_gym.workspace import Workspace
+                    Workspace.attach({ws.id!r}).snapshot()
+                """)
+            (criu,) = _wait_for(lambda: _criu("dump", str(ws.pid)))
+            if _stopped_holding_the_lock(criu, ws.pid):
+                break
+            ctl.join(120) if also_killed == "criu" else ctl.wait(120)
+        else:
+            pytest.fail("CRIU was never caught holding the network lock before infecting a task")
+        os.kill(criu, signal.SIGKILL)
+        if also_killed == "criu":
+            ctl.join(120)
+            assert errors and isinstance(errors[-1], ForkError), errors
+        else:
+            ctl.kill()
+            ctl.wait()
+            _wait_for(lambda: not records.process_alive(criu, records.proc_start_time(criu)), timeout=30)
+            assert _lock_tables(ws.pid), "the fault: the killed CRIU left its lock"
+            gc.collect()  # the dump is abandoned: its marker's lock is free
+        assert not _lock_tables(ws.pid)
+        assert not host.frozen(ws)
+        before = _tcp_count(ws)
+        _wait_for(lambda: _tcp_count(ws) > before + 5, timeout=10, step=0.02)  # the connection carries again
+    finally:
+        if isinstance(ctl, subprocess.Popen) and ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+        ws.close()
+        for snap in made:
+            snap.delete()

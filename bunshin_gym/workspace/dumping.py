@@ -25,6 +25,13 @@ peek and poke fail with EIO and CRIU gives up ("Can't infect ... with parasite";
 check compares with ``-1U`` and misses its own EIO). :func:`fault_in_parasite_pages` reads those
 pages with ``process_vm_readv`` first, which may wait: the monitor maps the page (a zero page
 for a dropped one, exactly what the program would read), and the poke then succeeds.
+
+Network lock: a workspace with a TCP connection is dumped with ``--network-lock nftables``:
+CRIU adds a table ``inet CRIU-<run id>`` to the workspace's network namespace whose chains
+drop every packet but its own, and deletes it at the end. A CRIU killed in between leaves the
+table, and the source's connections stay blocked after it is thawed.
+:func:`remove_network_locks` deletes such tables once no CRIU runs on the workspace (the
+snapshot's failure path, and ``gc`` thawing a source an abandoned dump left).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import fcntl
 import json
 import logging
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,3 +168,44 @@ def fault_in_parasite_pages(pids: list[int]) -> list[tuple[int, int, int]]:
     if failed:
         log.warning("could not read the parasite's page of %s: CRIU may fail to infect them", failed)
     return failed
+
+
+#: the table of CRIU's nftables network lock is named ``CRIU-<run id>`` (criu/netfilter.c)
+LOCK_TABLE_PREFIX = "CRIU-"
+
+
+def _nft(pid: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", "nft", *args], capture_output=True, text=True,
+                          timeout=30)
+
+
+def remove_network_locks(pid1: int | None) -> list[str]:
+    """Delete the nftables tables of CRIU's network lock left in the network namespace of the
+    workspace whose PID 1 is ``pid1`` (see the module's notes). Call it only when no CRIU runs
+    on that workspace. Returns the tables deleted; problems are logged, never raised (this runs
+    on failure paths, before the source is thawed)."""
+    if pid1 is None or not os.path.exists(f"/proc/{pid1}/ns/net"):
+        return []
+    try:
+        listing = _nft(pid1, "-j", "list", "tables")
+        if listing.returncode != 0:
+            log.warning("listing the nftables tables of pid %d failed: %s", pid1, listing.stderr.strip())
+            return []
+        tables = [item["table"] for item in json.loads(listing.stdout or "{}").get("nftables", ())
+                  if "table" in item]
+        removed = []
+        for t in tables:
+            if not t["name"].startswith(LOCK_TABLE_PREFIX):
+                continue
+            proc = _nft(pid1, "delete", "table", t["family"], t["name"])
+            if proc.returncode == 0:
+                removed.append(f"{t['family']} {t['name']}")
+            else:
+                log.warning("deleting CRIU's network lock %s %s (pid %d) failed: %s", t["family"], t["name"], pid1,
+                            proc.stderr.strip())
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log.warning("removing CRIU's network locks of pid %d failed: %s", pid1, e)
+        return []
+    if removed:
+        log.warning("removed CRIU's network lock %s left by an interrupted dump (pid %d)", removed, pid1)
+    return removed

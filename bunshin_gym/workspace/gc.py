@@ -128,10 +128,12 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
 
 
 def _thaw_source(ws_id: str, p: Paths) -> bool:
-    """Thaw a workspace a dead controller's dump left frozen (True if it was frozen)."""
+    """Thaw a workspace a dead controller's dump left frozen (True if it was frozen), without
+    the network lock its killed CRIU may have left."""
     rec = records.load(ws_id, p)
     if rec is None or not rec.running():
         return False
+    dumping.remove_network_locks(rec.pid1)  # the dump is abandoned: no CRIU runs on it
     cg = Cgroup(rec.cgroup)
     try:
         was_frozen = cg.is_frozen()  # FREEZING (a freeze cut short) is thawed too
