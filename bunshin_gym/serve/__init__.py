@@ -1,0 +1,13 @@
+"""``bunshin serve``: bunshin workspaces and envs as a network service.
+
+- an E2B-compatible sandbox API (the ``e2b`` SDK from PyPI works against it: point
+  ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` at the server and use a token as ``E2B_API_KEY``),
+  with fork (one freeze, N copies) and pause/resume keeping memory;
+- the env API behind :class:`bunshin_gym.remote.RemoteEnv` (``gym.make(ID, server=URL)``).
+
+See the README section "bunshin serve" for what works and what does not.
+"""
+
+from bunshin_gym.serve.app import ServeConfig, create_app, run
+
+__all__ = ["ServeConfig", "create_app", "run"]

@@ -1,0 +1,210 @@
+"""The env API: any registered bunshin env, made on the server and stepped over HTTP
+(:class:`bunshin_gym.remote.RemoteEnv` is its client).
+
+Requests are JSON; answers that carry observations are frames of
+:mod:`bunshin_gym.serve.codec` (arrays as compressed bytes). An env and its clones share
+one table of snapshots, so a clone can roll back to a snapshot its parent took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from bunshin_gym.config import Limits
+from bunshin_gym.registration import ENVS
+from bunshin_gym.serve import codec
+from bunshin_gym.serve.auth import Principal
+from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError
+
+log = logging.getLogger(__name__)
+
+#: keyword arguments a client may not pass: they would run code or reach files on the server
+FORBIDDEN_KWARGS = {"server", "workspace_factory", "cache", "speculation", "cache_dir"}
+
+
+@dataclass
+class EnvLease(Lease):
+    """One env (one workspace) held for a client."""
+
+    env_id: str = ""
+    env: Any = None
+    #: snapshots by id, shared by the env and every clone of it
+    snapshots: dict[str, Any] = field(default_factory=dict)
+
+    def reclaim(self) -> None:
+        env, self.env = self.env, None
+        if env is not None:
+            env.close()
+
+
+def frame(value: Any) -> Response:
+    return Response(content=codec.encode(value), media_type=codec.MEDIA_TYPE)
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ServeError(f"the body is not JSON: {e}", 400) from None
+    if not isinstance(body, dict):
+        raise ServeError("the body must be a JSON object", 400)
+    return body
+
+
+def router(service) -> APIRouter:
+    r = APIRouter(prefix="/envs")
+    registry: Registry = service.registry
+    auth = Depends(service.principal)
+
+    def _lease(env_id: str, who: Principal) -> EnvLease:
+        return registry.get(env_id, who, kind=EnvLease)
+
+    def _add(who: Principal, env_name: str, env: Any, memory: int, ttl: float | None,
+             snapshots: dict) -> EnvLease:
+        lease = EnvLease(id=f"env-{secrets.token_hex(8)}", owner=who,
+                         end_at=None if not ttl else time.time() + ttl, idle_timeout=service.config.idle_timeout,
+                         workspaces=1, memory=memory, env_id=env_name, env=env, snapshots=snapshots)
+        return registry.add(lease)
+
+    def _describe(lease: EnvLease) -> dict:
+        env = lease.env
+        return {"id": lease.id, "env_id": lease.env_id,
+                "observation_space": codec.space_to_json(getattr(env, "observation_space", None)),
+                "action_space": codec.space_to_json(getattr(env, "action_space", None)),
+                "metadata": {k: v for k, v in (getattr(env, "metadata", None) or {}).items()
+                             if isinstance(v, (str, int, float, bool, list))}}
+
+    def _make(who: Principal, body: dict) -> EnvLease:
+        env_name = body.get("env_id")
+        if env_name not in ENVS:
+            raise NotFound(f"unknown env {env_name!r}; known: {', '.join(sorted(ENVS))}")
+        kwargs = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ServeError("kwargs must be an object", 400)
+        bad = FORBIDDEN_KWARGS & set(kwargs)
+        if bad:
+            raise ServeError(f"kwargs {sorted(bad)} cannot be set through the server", 400)
+        ttl = body.get("ttl", service.config.env_ttl)
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0):
+            raise ServeError(f"ttl must be a number of seconds, got {ttl!r}", 400)
+        try:
+            memory = Limits.parse(kwargs.get("limits")).memory
+        except (TypeError, ValueError) as e:
+            raise ServeError(f"limits: {e}", 400) from None
+        registry.reserve(who, 1, memory)
+        try:
+            env = gym.make(env_name, **kwargs)
+        except TypeError as e:
+            registry.unreserve(who, 1, memory)
+            raise ServeError(f"{env_name}: {e}", 400) from None
+        except BaseException:
+            registry.unreserve(who, 1, memory)
+            raise
+        return _add(who, env_name, env, memory, ttl, {})
+
+    @r.post("", status_code=201)
+    async def make(request: Request, who: Principal = auth) -> JSONResponse:
+        lease = await asyncio.to_thread(_make, who, await _json(request))
+        log.info("env %s (%s) made for %s", lease.id, lease.env_id, who.name)
+        return JSONResponse(_describe(lease), status_code=201)
+
+    @r.get("")
+    async def list_envs(who: Principal = auth) -> JSONResponse:
+        return JSONResponse([{"id": x.id, "env_id": x.env_id} for x in registry.list(who, kind=EnvLease)])
+
+    def _locked(lease: EnvLease, fn, *args):
+        with lease.lock:
+            if lease.closed:
+                raise NotFound(f"no env {lease.id!r}")
+            return fn(*args)
+
+    @r.post("/{env_id}/reset")
+    async def reset(env_id: str, request: Request, who: Principal = auth) -> Response:
+        lease = _lease(env_id, who)
+        body = await _json(request)
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ServeError(f"seed must be an integer, got {seed!r}", 400)
+        obs, info = await asyncio.to_thread(_locked, lease, lambda: lease.env.reset(seed=seed,
+                                                                                    options=body.get("options")))
+        return frame({"observation": obs, "info": info})
+
+    @r.post("/{env_id}/step")
+    async def step(env_id: str, request: Request, who: Principal = auth) -> Response:
+        lease = _lease(env_id, who)
+        body = await _json(request)
+        if "action" not in body:
+            raise ServeError("the body needs an action", 400)
+        obs, reward, terminated, truncated, info = await asyncio.to_thread(
+            _locked, lease, lease.env.step, body["action"])
+        return frame({"observation": obs, "reward": float(reward), "terminated": bool(terminated),
+                      "truncated": bool(truncated), "info": info,
+                      "timing": getattr(lease.env, "last_step_timing", {})})
+
+    def _clone(lease: EnvLease, n: int, lazy: bool) -> list[EnvLease]:
+        who = lease.owner
+        registry.reserve(who, n, n * lease.memory)
+        try:
+            clones = _locked(lease, lambda: lease.env.clone(n, lazy=lazy))
+        except BaseException:
+            registry.unreserve(who, n, n * lease.memory)
+            raise
+        ttl = None if lease.end_at is None else max(1.0, lease.end_at - time.time())
+        return [_add(who, lease.env_id, env, lease.memory, ttl, lease.snapshots) for env in clones]
+
+    @r.post("/{env_id}/clone", status_code=201)
+    async def clone(env_id: str, request: Request, who: Principal = auth) -> JSONResponse:
+        lease = _lease(env_id, who)
+        body = await _json(request)
+        n = body.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+            raise ServeError(f"n must be an integer from 1 to 256, got {n!r}", 400)
+        clones = await asyncio.to_thread(_clone, lease, n, bool(body.get("lazy")))
+        return JSONResponse({"envs": [_describe(c) for c in clones]}, status_code=201)
+
+    @r.post("/{env_id}/snapshot", status_code=201)
+    async def snapshot(env_id: str, request: Request, who: Principal = auth) -> JSONResponse:
+        lease = _lease(env_id, who)
+        tags = (await _json(request)).get("tags") or {}
+        if not isinstance(tags, dict):
+            raise ServeError("tags must be an object", 400)
+        snap = await asyncio.to_thread(_locked, lease, lambda: lease.env.snapshot(**tags))
+        lease.snapshots[snap.id] = snap
+        return JSONResponse({"snapshot": snap.id, "steps": snap.steps, "done": snap.done}, status_code=201)
+
+    @r.post("/{env_id}/rollback")
+    async def rollback(env_id: str, request: Request, who: Principal = auth) -> Response:
+        lease = _lease(env_id, who)
+        snap_id = (await _json(request)).get("snapshot")
+        snap = None
+        if snap_id is not None:
+            snap = lease.snapshots.get(snap_id)
+            if snap is None:
+                raise NotFound(f"no snapshot {snap_id!r} of env {env_id} or its clones")
+        obs = await asyncio.to_thread(_locked, lease, lambda: lease.env.rollback(snap))
+        return frame({"observation": obs, "steps": lease.env.unwrapped.steps})
+
+    @r.post("/{env_id}/keepalive", status_code=204)
+    async def keepalive(env_id: str, who: Principal = auth) -> Response:
+        _lease(env_id, who)  # touches it
+        return Response(status_code=204)
+
+    @r.delete("/{env_id}", status_code=204)
+    async def close(env_id: str, who: Principal = auth) -> Response:
+        _lease(env_id, who)
+        await asyncio.to_thread(registry.close, env_id, why="closed by its owner")
+        return Response(status_code=204)
+
+    return r

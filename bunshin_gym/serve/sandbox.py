@@ -1,0 +1,360 @@
+"""E2B sandboxes as bunshin workspaces: the lease, commands run through the workspace's
+agent with streamed output, and the file operations behind envd's filesystem service.
+
+Commands: the agent runs a command to completion or spawns it detached; E2B streams a
+command's output while it runs and lets a client leave it running in the background. A
+command is therefore spawned under a small POSIX-shell wrapper (:data:`WRAPPER`) that runs
+it in its own session with its stdout and stderr in files under ``/tmp`` of the workspace
+and writes its exit status last; the server reads those files through the agent while a
+client streams (reading again from where it stopped) and signals the command's process
+group to kill it. The files are in the workspace, so snapshots, pauses and forks carry a
+running command along with its output so far.
+
+Every request into one workspace holds the sandbox's lock: the agent connection serves one
+request at a time, and a snapshot needs no connection open.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from bunshin_gym.serve.registry import Conflict, Lease, NotFound, Registry, ServeError
+from bunshin_gym.workspace import AgentError, Workspace
+
+log = logging.getLogger(__name__)
+
+#: the envd version the server reports: >= 0.4.0 (the sandbox picks the default user),
+#: >= 0.5.2 (close stdin), >= 0.5.7 (octet-stream uploads), < 0.6.2 (no file metadata)
+ENVD_VERSION = "0.5.7"
+#: the user commands and file operations run as when the client names none (E2B's default)
+DEFAULT_USER = "user"
+
+#: where commands keep their output (one hidden directory in the sandbox's /tmp, mode 1777)
+RUN_DIR = "/tmp/.bunshin-e2b"
+#: runs one command: ``sh -c WRAPPER run DIR STDIN CMD ARGS...``. The command runs in its own
+#: session (its pid is its process group: a kill reaches its children) with its output in
+#: DIR/out and DIR/err; DIR/pid appears once it runs and DIR/exit once it ended (written
+#: through a rename: a reader never sees half of either). With STDIN=1 its standard input
+#: is the FIFO DIR/in, held open by a sleeping writer until close_stdin kills that writer.
+WRAPPER = r"""
+d=$1; stdin=$2; shift 2
+base=${d%/*}
+if [ ! -d "$base" ]; then mkdir -p "$base" && chmod 1777 "$base"; fi
+mkdir "$d" || exit 111
+# output of commands that ended more than 10 minutes ago goes
+find "$base" -mindepth 2 -maxdepth 2 -name exit -mmin +10 2>/dev/null | while read -r f; do rm -rf "${f%/exit}"; done
+if [ "$stdin" = 1 ]; then
+  mkfifo "$d/in" || exit 111
+  (exec sleep 2147483647) > "$d/in" &
+  echo $! > "$d/holder"
+  setsid "$@" < "$d/in" > "$d/out" 2> "$d/err" &
+else
+  setsid "$@" < /dev/null > "$d/out" 2> "$d/err" &
+fi
+child=$!
+echo $child > "$d/pid.tmp" && mv "$d/pid.tmp" "$d/pid"
+wait $child
+code=$?
+[ -f "$d/holder" ] && kill "$(cat "$d/holder")" 2>/dev/null
+echo $code > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"
+"""
+
+#: file operations of envd's filesystem service, run by the image's python3 as the user
+FS_HELPER = r"""
+import grp, json, os, pwd, shutil, stat, sys
+op, args = sys.argv[1], json.loads(sys.argv[2])
+def name_of(get, i):
+    try:
+        return get(i)[0]
+    except KeyError:
+        return str(i)
+def info(path):
+    st = os.lstat(path)
+    link = stat.S_ISLNK(st.st_mode)
+    target = None
+    if link:
+        target = os.readlink(path)
+        try:
+            st = os.stat(path)
+        except OSError:
+            pass
+    kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+    return {"name": os.path.basename(path.rstrip("/")) or "/", "path": path, "type": kind,
+            "size": st.st_size, "mode": stat.S_IMODE(st.st_mode), "perm": stat.filemode(st.st_mode),
+            "owner": name_of(pwd.getpwuid, st.st_uid), "group": name_of(grp.getgrgid, st.st_gid),
+            "mtime_ns": st.st_mtime_ns, "link": link, "target": target}
+def walk(path, depth, out):
+    for e in sorted(os.scandir(path), key=lambda e: e.name):
+        out.append(info(e.path))
+        if depth > 1 and e.is_dir(follow_symlinks=False):
+            walk(e.path, depth - 1, out)
+try:
+    p = args["path"]
+    if op == "stat":
+        res = info(p)
+    elif op == "list":
+        if not os.path.isdir(p):
+            raise NotADirectoryError(20, "not a directory", p)
+        res = []
+        walk(p, max(1, args.get("depth") or 1), res)
+    elif op == "mkdir":
+        if os.path.lexists(p):
+            raise FileExistsError(17, "already exists", p)
+        os.makedirs(p)
+        res = info(p)
+    elif op == "move":
+        os.makedirs(os.path.dirname(args["dest"]) or "/", exist_ok=True)
+        os.rename(p, args["dest"])
+        res = info(args["dest"])
+    elif op == "remove":
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+        res = None
+    else:
+        raise ValueError("unknown operation " + op)
+    print(json.dumps({"ok": res}))
+except OSError as e:
+    print(json.dumps({"error": e.strerror or str(e), "errno": e.errno, "path": getattr(e, "filename", None)}))
+"""
+
+
+class FsError(ServeError):
+    """A file operation failed inside the sandbox; ``errno`` says how."""
+
+    def __init__(self, message: str, err: int | None):
+        super().__init__(message, 404 if err == errno.ENOENT else 409 if err == errno.EEXIST
+                         else 403 if err in (errno.EACCES, errno.EPERM) else 400)
+        self.errno = err
+
+
+@dataclass
+class Command:
+    """A command started in a sandbox (E2B: a process, by pid)."""
+
+    pid: int
+    dir: str
+    cmd: str
+    args: list[str]
+    envs: dict[str, str]
+    cwd: str | None
+    tag: str | None
+    stdin: bool
+    exit_code: int | None = None
+    #: set when the server signalled it (the exit code is then 128 + the signal)
+    signalled: str | None = None
+
+
+@dataclass
+class Sandbox(Lease):
+    """An E2B sandbox: a workspace (or, paused, the snapshot it resumes from)."""
+
+    template: str = "base"
+    ws: Workspace | None = None
+    paused_snapshot: Any = None
+    metadata: dict = field(default_factory=dict)
+    env_vars: dict = field(default_factory=dict)
+    envd_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    auto_pause: bool = False
+    timeout: float = 300.0
+    commands: dict[int, Command] = field(default_factory=dict)
+    #: the per-workspace memory limit, counted against the quota while it runs
+    memory_limit: int = 0
+
+    @property
+    def state(self) -> str:
+        return "paused" if self.ws is None else "running"
+
+    def workspace(self) -> Workspace:
+        if self.ws is None:
+            raise Conflict(f"sandbox {self.id} is paused: connect to resume it first")
+        return self.ws
+
+    def reclaim(self) -> None:
+        ws, self.ws = self.ws, None
+        if ws is not None:
+            ws.close()
+        snap, self.paused_snapshot = self.paused_snapshot, None
+        if snap is not None:
+            snap.release()
+
+    def on_expiry(self, registry: Registry, why: str) -> None:
+        if self.auto_pause and self.ws is not None and self.end_at is not None and time.time() >= self.end_at:
+            pause(self, registry)
+            return
+        registry.close(self.id, why=why)
+
+    # commands --------------------------------------------------------------------------
+    def start(self, cmd: str, args: list[str], envs: dict[str, str], cwd: str | None, user: str,
+              tag: str | None, stdin: bool) -> Command:
+        """Spawn a command; returns once it runs (its pid known)."""
+        d = f"{RUN_DIR}/{secrets.token_hex(6)}"
+        env = {**self.env_vars, **envs}
+        with self.lock:
+            ws = self.workspace()
+            try:
+                ws.spawn(["/bin/sh", "-c", WRAPPER, "bunshin-run", d, "1" if stdin else "0", cmd, *args],
+                         env=env, cwd=cwd, user=user)
+            except AgentError as e:
+                raise ServeError(f"cannot start {cmd!r}: {e}", 400) from None
+        deadline = time.monotonic() + 30
+        while True:
+            with self.lock:
+                pid = _read_optional(self.workspace(), f"{d}/pid")
+                failed = None if pid else _read_optional(self.workspace(), f"{d}/exit")
+            if pid:
+                break
+            if failed is not None or time.monotonic() > deadline:
+                raise ServeError(f"cannot start {cmd!r} as {user} (cwd {cwd or '~'}): the sandbox refused it", 400)
+            time.sleep(0.002)
+        command = Command(int(pid), d, cmd, list(args), dict(envs), cwd, tag, stdin)
+        self.commands[command.pid] = command
+        return command
+
+    def find(self, pid: int | None = None, tag: str | None = None) -> Command:
+        for c in self.commands.values():
+            if (pid is not None and c.pid == pid) or (tag is not None and c.tag == tag):
+                return c
+        raise NotFound(f"no process {pid if pid is not None else tag!r} in sandbox {self.id}")
+
+    def poll(self, command: Command, out_from: int, err_from: int) -> tuple[int | None, bytes, bytes]:
+        """(exit code or None while it runs, stdout and stderr from the given offsets)."""
+        with self.lock:
+            ws = self.workspace()
+            code = _read_optional(ws, f"{command.dir}/exit")
+            out = _read_optional(ws, f"{command.dir}/out") or b""
+            err = _read_optional(ws, f"{command.dir}/err") or b""
+        if code is not None:
+            command.exit_code = int(code.strip() or b"-1")
+        return command.exit_code, out[out_from:], err[err_from:]
+
+    def running(self) -> list[Command]:
+        out = []
+        for c in list(self.commands.values()):
+            if c.exit_code is None:
+                self.poll(c, 0, 0)
+            if c.exit_code is None:
+                out.append(c)
+        return out
+
+    def signal(self, command: Command, sig: str) -> None:
+        """Signal the command's process group (its children too)."""
+        with self.lock:
+            # bash's kill: procps' and dash's do not take a negative pid (a group) after --
+            res = self.workspace().exec(["/bin/bash", "-c", 'kill -s "$1" -- "-$2"', "bash", sig, str(command.pid)],
+                                        timeout=10)
+        if not res.ok and b"No such process" not in res.stderr:
+            raise ServeError(f"cannot signal process {command.pid}: {res.stderr.decode(errors='replace')}", 500)
+        command.signalled = sig
+
+    def send_stdin(self, command: Command, data: bytes) -> None:
+        if not command.stdin:
+            raise ServeError(f"process {command.pid} was started without stdin (run it with stdin=True)", 400)
+        with self.lock:
+            res = self.workspace().exec(["/bin/sh", "-c", 'cat > "$1"', "sh", f"{command.dir}/in"],
+                                        stdin=data, timeout=30)
+        if not res.ok:
+            raise ServeError(f"process {command.pid}: writing its stdin failed: {res.stderr.decode()[-500:]}", 400)
+
+    def close_stdin(self, command: Command) -> None:
+        if not command.stdin:
+            raise ServeError(f"process {command.pid} was started without stdin", 400)
+        with self.lock:
+            self.workspace().exec(["/bin/sh", "-c", 'kill "$(cat "$1")"', "sh", f"{command.dir}/holder"], timeout=10)
+
+    # files -----------------------------------------------------------------------------
+    def fs(self, op: str, user: str, **args: Any) -> Any:
+        with self.lock:
+            res = self.workspace().exec(["python3", "-c", FS_HELPER, op, json.dumps(args)], user=user, timeout=60)
+        try:
+            reply = json.loads(res.stdout)
+        except ValueError:
+            raise ServeError(f"{op} {args.get('path')!r} failed: {res.stderr.decode(errors='replace')[-500:]}",
+                             500) from None
+        if "error" in reply:
+            raise FsError(f"{op} {reply.get('path') or args.get('path')!r}: {reply['error']}", reply.get("errno"))
+        return reply["ok"]
+
+    def read_file(self, path: str) -> bytes:
+        with self.lock:
+            try:
+                return self.workspace().read_file(path)
+            except AgentError as e:
+                raise FsError(f"read {path!r}: {e}", e.errno) from None
+
+    def write_file(self, path: str, data: bytes, user: str) -> None:
+        with self.lock:
+            try:
+                self.workspace().write_file(path, data, owner=None if user == "root" else user)
+            except AgentError as e:
+                raise FsError(f"write {path!r}: {e}", e.errno) from None
+
+
+def _read_optional(ws: Workspace, path: str) -> bytes | None:
+    try:
+        return ws.read_file(path)
+    except AgentError as e:
+        if e.errno == errno.ENOENT:
+            return None
+        raise
+
+
+def home_of(user: str) -> str:
+    return "/root" if user == "root" else f"/home/{user}"
+
+
+def resolve(path: str, user: str) -> str:
+    """E2B paths: absolute, or relative to the user's home (``~`` too)."""
+    if not path:
+        raise ServeError("a path is required", 400)
+    if "\0" in path:
+        raise ServeError("a path cannot contain NUL", 400)
+    if path == "~" or path.startswith("~/"):
+        path = home_of(user) + path[1:]
+    if not path.startswith("/"):
+        path = f"{home_of(user)}/{path}"
+    return path
+
+
+def pause(sb: Sandbox, registry: Registry) -> None:
+    """Snapshot the sandbox (memory and files) and release its workspace; its commands stay
+    where they were and go on after resume."""
+    with sb.lock:
+        ws = sb.workspace()
+        snap = ws.snapshot(tags={"e2b_sandbox": sb.id, "pause": True})
+        sb.paused_snapshot = snap
+        sb.ws = None
+        ws.close()
+        registry.unreserve(sb.owner, sb.workspaces, sb.memory)
+        sb.workspaces, sb.memory = 0, 0
+        sb.end_at = None  # a paused sandbox has no timeout (E2B: it stays until resumed or killed)
+    registry.on_change()
+
+
+def resume(sb: Sandbox, registry: Registry, timeout: float) -> None:
+    with sb.lock:
+        if sb.ws is not None:
+            return
+        registry.reserve(sb.owner, 1, sb.memory_limit)
+        try:
+            ws = sb.paused_snapshot.fork(1, detached=True)[0]
+        except BaseException:
+            registry.unreserve(sb.owner, 1, sb.memory_limit)
+            raise
+        sb.ws, sb.workspaces, sb.memory = ws, 1, sb.memory_limit
+        snap, sb.paused_snapshot = sb.paused_snapshot, None
+        snap.release()  # deleted once the resumed workspace no longer needs it
+        sb.end_at = time.time() + timeout
+    registry.on_change()
+
+
+def quote(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
