@@ -9,10 +9,36 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-ENVS = {
+#: the env classes, by id
+CLASSES = {
     "Bunshin-Shell-v0": "bunshin_gym.envs.shell.env:ShellEnv",
     "Bunshin-OSWorld-v0": "bunshin_gym.envs.osworld.env:OSWorldEnv",
     "Bunshin-WebArena-v0": "bunshin_gym.envs.webarena.env:WebArenaEnv",
+}
+
+
+def _creator(env_id: str):
+    """The entry point of ``env_id``: the env class, or with ``server=URL`` a
+    :class:`~bunshin_gym.remote.RemoteEnv` of that env on a ``bunshin serve`` server."""
+
+    def make(server: str | None = None, **kwargs):
+        if server is not None:
+            from bunshin_gym.remote import RemoteEnv
+
+            return RemoteEnv(env_id, server, **kwargs)
+        return gym.envs.registration.load_env_creator(CLASSES[env_id])(**kwargs)
+
+    return make
+
+
+make_shell = _creator("Bunshin-Shell-v0")
+make_osworld = _creator("Bunshin-OSWorld-v0")
+make_webarena = _creator("Bunshin-WebArena-v0")
+#: the entry points, by id
+ENVS = {
+    "Bunshin-Shell-v0": f"{__name__}:make_shell",
+    "Bunshin-OSWorld-v0": f"{__name__}:make_osworld",
+    "Bunshin-WebArena-v0": f"{__name__}:make_webarena",
 }
 
 

@@ -147,9 +147,9 @@ def space_from_json(d: dict | None) -> spaces.Space | None:
     if kind == "Tuple":
         return spaces.Tuple([space_from_json(v) for v in d["spaces"]])
     if kind == "Box":
-        dtype = np.dtype(d["dtype"])
-        return spaces.Box(np.asarray(d["low"], dtype=dtype), np.asarray(d["high"], dtype=dtype),
-                          tuple(d["shape"]), dtype)
+        dtype, shape = np.dtype(d["dtype"]), tuple(d["shape"])
+        low, high = (np.broadcast_to(np.asarray(d[k], dtype=dtype), shape).copy() for k in ("low", "high"))
+        return spaces.Box(low, high, shape, dtype)
     if kind == "Discrete":
         return spaces.Discrete(d["n"], start=d.get("start", 0))
     if kind == "MultiBinary":

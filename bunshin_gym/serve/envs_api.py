@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from bunshin_gym.config import Limits
-from bunshin_gym.registration import ENVS
+from bunshin_gym.registration import CLASSES as ENVS
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.auth import Principal
 from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError

@@ -98,9 +98,9 @@ def opts(server):
     """e2b connection settings for alice; the test must leave no sandbox or env behind."""
     yield e2b_opts(server)
     left = leases(server)
-    for lease in left:  # close them so one failure does not cascade, then fail
-        with server.client() as c:
-            c.delete(f"/sandboxes/{lease.get('sandboxID')}") if "sandboxID" in lease else c.delete(f"/envs/{lease['id']}")
+    with server.client() as c:
+        for lease in left:  # close them so one failure does not cascade, then fail
+            c.delete(f"/sandboxes/{lease['sandboxID']}" if "sandboxID" in lease else f"/envs/{lease['id']}")
     assert not left, f"the test left {left}"
 
 

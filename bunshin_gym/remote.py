@@ -1,0 +1,191 @@
+"""``RemoteEnv``: a bunshin env that runs on a ``bunshin serve`` server, stepped over HTTP.
+
+    >>> env = gym.make("Bunshin-Shell-v0", server="http://127.0.0.1:49982", token="...")
+    >>> obs, info = env.reset(options={"task": "shell/count-files"})
+    >>> a, b = env.clone(2)                 # forks on the server, each a RemoteEnv
+    >>> snap = env.snapshot(); env.rollback(snap)
+
+It is a ``gymnasium.Env`` with the local envs' ``clone()``, ``snapshot()`` and
+``rollback()``. Observations come back as they are locally (arrays included: they travel
+zstd-compressed, see :mod:`bunshin_gym.serve.codec`). The token is ``token=`` or
+``$BUNSHIN_SERVE_TOKEN``. While open, a RemoteEnv tells the server it is alive every third of
+the server's idle timeout; an env whose client is gone is reclaimed by the server once idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import httpx
+
+from bunshin_gym.serve import codec
+
+log = logging.getLogger(__name__)
+
+#: seconds between keepalives (well under the server's default idle timeout of 900 s)
+KEEPALIVE_S = 60.0
+
+
+class RemoteError(RuntimeError):
+    """The server refused a request or could not be reached; the message is the server's."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RemoteSnapshot:
+    """A snapshot held by the server for an env and its clones."""
+
+    id: str
+    steps: int
+    done: bool
+
+
+class _Connection:
+    """One HTTP client shared by an env and its clones."""
+
+    def __init__(self, server: str, token: str | None, timeout: float):
+        token = token or os.environ.get("BUNSHIN_SERVE_TOKEN")
+        if not token:
+            raise RemoteError("a RemoteEnv needs a token: token=... or $BUNSHIN_SERVE_TOKEN")
+        self.http = httpx.Client(base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"},
+                                 timeout=timeout)
+        self.users = 0
+        self.lock = threading.Lock()
+
+    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        try:
+            r = self.http.request(method, path, json=body)
+        except httpx.HTTPError as e:
+            raise RemoteError(f"{method} {path}: the server could not be reached: {e}") from None
+        if r.status_code >= 400:
+            try:
+                message = r.json().get("message") or r.text
+            except ValueError:
+                message = r.text
+            raise RemoteError(f"{method} {path}: {r.status_code}: {message}", r.status_code)
+        if r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
+            return codec.decode(r.content)
+        return r.json() if r.content else None
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                self.http.close()
+
+
+class RemoteEnv(gym.Env):
+    """An env made and stepped on a bunshin server.
+
+    Args:
+        env_id: a registered bunshin env id (``Bunshin-Shell-v0``, ...).
+        server: the server's URL.
+        token: the API key (default ``$BUNSHIN_SERVE_TOKEN``).
+        timeout: seconds one request may take (a reset of a desktop task takes many).
+        ttl: seconds the server keeps the env at most (default: the server's).
+        **kwargs: the env's own keyword arguments (``task``, ``limits``, ...).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_id: str, server: str, *, token: str | None = None, timeout: float = 600.0,
+                 ttl: float | None = None, _attach: tuple[_Connection, dict] | None = None, **kwargs: Any):
+        self.env_id = env_id
+        self.server = server
+        if _attach is not None:
+            self._conn, desc = _attach
+        else:
+            self._conn = _Connection(server, token, timeout)
+            body: dict[str, Any] = {"env_id": env_id, "kwargs": kwargs}
+            if ttl is not None:
+                body["ttl"] = ttl
+            try:
+                desc = self._conn.request("POST", "/envs", body)
+            except BaseException:
+                self._conn.http.close()
+                raise
+        with self._conn.lock:
+            self._conn.users += 1
+        self.remote_id: str = desc["id"]
+        self.observation_space = codec.space_from_json(desc["observation_space"]) or gym.spaces.Space()
+        self.action_space = codec.space_from_json(desc["action_space"]) or gym.spaces.Space()
+        self._desc = desc
+        self._closed = False
+        #: timings of the last step as the server measured them (``step_s``, ...)
+        self.last_step_timing: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._keepalive = threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop),
+                                           name=f"remote-env-{self.remote_id}", daemon=True)
+        self._keepalive.start()
+
+    def _call(self, method: str, what: str, body: dict | None = None) -> Any:
+        if self._closed:
+            raise RemoteError(f"RemoteEnv {self.remote_id} is closed")
+        path = f"/envs/{self.remote_id}" + (f"/{what}" if what else "")
+        return self._conn.request(method, path, body)
+
+    # gymnasium API ---------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        out = self._call("POST", "reset", {"seed": seed, "options": options})
+        return out["observation"], out["info"]
+
+    def step(self, action: Any):
+        out = self._call("POST", "step", {"action": action})
+        self.last_step_timing = out.get("timing") or {}
+        return out["observation"], out["reward"], out["terminated"], out["truncated"], out["info"]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop.set()
+        try:
+            self._call("DELETE", "")
+        except RemoteError as e:
+            if e.status != 404:  # already reaped is fine; anything else is worth a line
+                log.warning("closing remote env %s: %s", self.remote_id, e)
+        finally:
+            self._closed = True
+            self._conn.release()
+        super().close()
+
+    # fork API --------------------------------------------------------------------------
+    def clone(self, n: int = 1, *, lazy: bool = False) -> list[RemoteEnv]:
+        """``n`` envs forked on the server from this one's live state."""
+        out = self._call("POST", "clone", {"n": n, "lazy": lazy})
+        return [RemoteEnv(self.env_id, self.server, _attach=(self._conn, d)) for d in out["envs"]]
+
+    def snapshot(self, **tags: Any) -> RemoteSnapshot:
+        out = self._call("POST", "snapshot", {"tags": tags})
+        return RemoteSnapshot(out["snapshot"], out["steps"], out["done"])
+
+    def rollback(self, snapshot: RemoteSnapshot | None = None) -> Any:
+        """Back to a snapshot (default: right after the last reset); returns its observation."""
+        out = self._call("POST", "rollback", {"snapshot": snapshot.id if snapshot else None})
+        return out["observation"]
+
+    def __repr__(self) -> str:
+        return f"<RemoteEnv {self.env_id} {self.remote_id} on {self.server}>"
+
+
+def _keepalive(ref: weakref.ref, stop: threading.Event) -> None:
+    """Tell the server the env is in use while its client lives (holds no strong reference:
+    a dropped, unclosed RemoteEnv stops its keepalives and the server reaps it)."""
+    while not stop.wait(KEEPALIVE_S):
+        env = ref()
+        if env is None or env._closed:
+            return
+        try:
+            env._call("POST", "keepalive")
+        except RemoteError as e:
+            log.warning("keepalive of remote env %s: %s", env.remote_id, e)
+        del env
