@@ -195,6 +195,22 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_explore(args) -> int:
+    import uvicorn
+
+    from bunshin_gym.config import paths
+    from bunshin_gym.explore import create_app
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"bunshin explore: serving on {args.host}: anyone who reaches it sees the runs and the live "
+              "workspaces' screens (there is no login)", file=sys.stderr)
+    root = None if args.run else paths().home / "train"
+    app = create_app(args.run, root)  # a bad --run is refused here, before anything is served
+    print(f"bunshin explore: http://{args.host}:{args.port}/  ({args.run or root})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bunshin", description="Forkable container workspaces for agentic RL.")
     sub = ap.add_subparsers(dest="subcommand", required=True)
@@ -265,6 +281,12 @@ def parser() -> argparse.ArgumentParser:
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
+
+    ex = sub.add_parser("explore", help="a local web page: rollouts as fork trees, steps, curves, live workspaces")
+    ex.add_argument("--run", default=None, help="a run directory (default: every run under $BUNSHIN_HOME/train)")
+    ex.add_argument("--port", type=int, default=8765, help="port (default: 8765)")
+    ex.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    ex.set_defaults(fn=_cmd_explore)
 
     tr = sub.add_parser("train", help="GRPO training with TRL over bunshin envs (tiny offline policy by default)")
     from bunshin_gym.train.main import add_arguments

@@ -1,0 +1,125 @@
+"""What an action does on the screen, to draw on its screenshot: click points, drags, scrolls,
+typed text and keys, read from the action's text without running it.
+
+Desktop actions come as pyautogui code (read with :mod:`ast`: only calls on ``pyautogui``
+with literal arguments count) or as computer_13 dicts (JSON); anything else (a shell command,
+a WebArena action, which names an element, not a point) has no marks.
+
+Example:
+    >>> marks("pyautogui.click(120, 40); pyautogui.write('hi')")
+    [{'kind': 'click', 'x': 120, 'y': 40, 'label': 'click'}, {'kind': 'type', 'text': 'hi', 'label': 'type'}]
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Any
+
+_POINT_CALLS = {"click": "click", "doubleClick": "double click", "tripleClick": "triple click",
+                "rightClick": "right click", "middleClick": "middle click", "moveTo": "move",
+                "mouseDown": "mouse down", "mouseUp": "mouse up"}
+_C13_POINTS = {"CLICK": "click", "DOUBLE_CLICK": "double click", "RIGHT_CLICK": "right click",
+               "MOVE_TO": "move", "MOUSE_DOWN": "mouse down", "MOUSE_UP": "mouse up"}
+
+
+def marks(action: Any) -> list[dict]:
+    """The marks of one action (see the module docs); [] when it has none."""
+    if isinstance(action, dict):
+        return _computer13(action)
+    if not isinstance(action, str) or not action.strip():
+        return []
+    text = action.strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return []
+        return _computer13(parsed) if isinstance(parsed, dict) else []
+    if "pyautogui" not in text:
+        return []
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    out: list[dict] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            mark = _pyautogui_call(node)
+            if mark is not None:
+                out.append(mark)
+    # ast.walk is breadth-first: put the marks back in source order
+    return [m for _, m in sorted(((m.pop("_pos"), m) for m in out), key=lambda p: p[0])]
+
+
+def _literal(node: ast.AST | None) -> Any:
+    if node is None:
+        return None
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _args(call: ast.Call, names: list[str]) -> dict[str, Any]:
+    vals = {name: _literal(a) for name, a in zip(names, call.args, strict=False)}
+    for kw in call.keywords:
+        if kw.arg:
+            vals[kw.arg] = _literal(kw.value)
+    return vals
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _pyautogui_call(call: ast.Call) -> dict | None:
+    f = call.func
+    if not (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "pyautogui"):
+        return None
+    pos = (call.lineno, call.col_offset)
+    name = f.attr
+    if name in _POINT_CALLS or name in ("dragTo", "scroll", "hscroll", "vscroll"):
+        a = _args(call, ["clicks", "x", "y"] if "scroll" in name else ["x", "y"])
+        x, y = a.get("x"), a.get("y")
+        if isinstance(x, tuple | list) and len(x) == 2:  # click((x, y))
+            x, y = x
+        if name.endswith("scroll"):
+            m = {"kind": "scroll", "amount": a.get("clicks"), "label": f"scroll {a.get('clicks')}"}
+            if _number(x) and _number(y):
+                m.update(x=x, y=y)
+            return dict(m, _pos=pos)
+        if not (_number(x) and _number(y)):
+            return None  # a computed point: nothing to draw
+        kind = "drag" if name == "dragTo" else "move" if name == "moveTo" else "click"
+        return {"kind": kind, "x": x, "y": y, "label": _POINT_CALLS.get(name, "drag to"), "_pos": pos}
+    if name in ("write", "typewrite"):
+        text = _args(call, ["message"]).get("message")
+        if isinstance(text, list):
+            text = " ".join(map(str, text))
+        return {"kind": "type", "text": str(text), "label": "type", "_pos": pos} if text is not None else None
+    if name in ("press", "hotkey", "keyDown", "keyUp"):
+        keys = [_literal(a) for a in call.args]
+        if len(keys) == 1 and isinstance(keys[0], list):
+            keys = keys[0]
+        return {"kind": "key", "keys": [str(k) for k in keys], "label": name, "_pos": pos}
+    return None
+
+
+def _computer13(action: dict) -> list[dict]:
+    kind = str(action.get("action_type", "")).upper()
+    p = action.get("parameters") if isinstance(action.get("parameters"), dict) else action
+    x, y = p.get("x"), p.get("y")
+    if kind in _C13_POINTS and _number(x) and _number(y):
+        return [{"kind": "click" if "CLICK" in kind else "move", "x": x, "y": y, "label": _C13_POINTS[kind]}]
+    if kind == "DRAG_TO" and _number(x) and _number(y):
+        return [{"kind": "drag", "x": x, "y": y, "label": "drag to"}]
+    if kind == "SCROLL":
+        return [{"kind": "scroll", "amount": p.get("dy") or p.get("dx"), "label": "scroll"}]
+    if kind == "TYPING":
+        return [{"kind": "type", "text": str(p.get("text", "")), "label": "type"}]
+    if kind in ("PRESS", "KEY_DOWN", "KEY_UP"):
+        return [{"kind": "key", "keys": [str(p.get("key", ""))], "label": kind.lower()}]
+    if kind == "HOTKEY":
+        return [{"kind": "key", "keys": [str(k) for k in p.get("keys") or []], "label": "hotkey"}]
+    return []
