@@ -28,7 +28,7 @@ from bunshin_gym.serve import codec
 
 log = logging.getLogger(__name__)
 
-#: seconds between keepalives (well under the server's default idle timeout of 900 s)
+#: seconds between keepalives at most (a third of the server's idle timeout when shorter)
 KEEPALIVE_S = 60.0
 
 
@@ -123,7 +123,9 @@ class RemoteEnv(gym.Env):
         #: timings of the last step as the server measured them (``step_s``, ...)
         self.last_step_timing: dict[str, float] = {}
         self._stop = threading.Event()
-        self._keepalive = threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop),
+        idle = desc.get("idle_timeout") or 0
+        every = min(KEEPALIVE_S, idle / 3) if idle else KEEPALIVE_S
+        self._keepalive = threading.Thread(target=_keepalive, args=(weakref.ref(self), self._stop, every),
                                            name=f"remote-env-{self.remote_id}", daemon=True)
         self._keepalive.start()
 
@@ -177,10 +179,10 @@ class RemoteEnv(gym.Env):
         return f"<RemoteEnv {self.env_id} {self.remote_id} on {self.server}>"
 
 
-def _keepalive(ref: weakref.ref, stop: threading.Event) -> None:
+def _keepalive(ref: weakref.ref, stop: threading.Event, every: float) -> None:
     """Tell the server the env is in use while its client lives (holds no strong reference:
     a dropped, unclosed RemoteEnv stops its keepalives and the server reaps it)."""
-    while not stop.wait(KEEPALIVE_S):
+    while not stop.wait(every):
         env = ref()
         if env is None or env._closed:
             return

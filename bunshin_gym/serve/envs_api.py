@@ -80,7 +80,7 @@ def router(service) -> APIRouter:
 
     def _describe(lease: EnvLease) -> dict:
         env = lease.env
-        return {"id": lease.id, "env_id": lease.env_id,
+        return {"id": lease.id, "env_id": lease.env_id, "idle_timeout": lease.idle_timeout,
                 "observation_space": codec.space_to_json(getattr(env, "observation_space", None)),
                 "action_space": codec.space_to_json(getattr(env, "action_space", None)),
                 "metadata": {k: v for k, v in (getattr(env, "metadata", None) or {}).items()
