@@ -401,7 +401,9 @@ def test_a_good_rollback_swaps_in_place_and_leaks_nothing(fresh_ws):
         old_pid1, old_start, old_sub, old_cg = ws.pid, ws._rec.pid1_start, ws._rec.subvolume, ws._rec.cgroup
         ws.write_file("/root/after", "after\n")
         ws.rollback(snap)
-        assert ws.pid != old_pid1 and not records.process_alive(old_pid1, old_start)
+        assert ws.pid != old_pid1
+        ws._wait_reclaims()  # what the rollback replaced is reclaimed off its path (close waits too)
+        assert not records.process_alive(old_pid1, old_start)
         assert not Path(old_sub).exists() and not Cgroup(old_cg).exists()
         assert ws.exec("cat /root/kept; test -e /root/after || echo gone").text == "kept\ngone\n"
         rep = gc.collect()

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -584,8 +585,6 @@ def _swap_in(ws: Workspace, new: records.Record) -> None:
     """Make the workspace's record name ``new``'s processes and files, and ``new``'s record the
     old ones (then reclaimed). The temporary record is rewritten first: whatever instant a
     crash comes, every process, subvolume and cgroup is named by some record or swept by gc."""
-    from bunshin_gym.workspace.workspace import reclaim
-
     rec, p = ws._rec, ws._p
     old = records.Record(**{**vars(new), **{f: getattr(rec, f) for f in _RUN_FIELDS},
                             "extra": {k: v for k, v in rec.extra.items() if k in _RUN_EXTRA}})
@@ -599,7 +598,10 @@ def _swap_in(ws: Workspace, new: records.Record) -> None:
     ws._cgroup = Cgroup(rec.cgroup)
     if memory.uses_ksm(memory.MemoryMode(rec.memory_mode)):
         memory.ksm_acquire(rec.id)  # the restore registered the temporary id, released with `old`
-    reclaim(old, p)
+    if old.pid1 is not None and old.running():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old.pid1, signal.SIGKILL)  # at once: the replaced processes run no further
+    ws._reclaim_later(old)  # the wait for them to go and the file system's deletion
 
 
 def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:

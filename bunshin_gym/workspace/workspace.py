@@ -12,12 +12,14 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import select
 import subprocess
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,8 @@ from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,6 +51,11 @@ class MemoryStats:
         return {k: round(v / 2**20, 1) if k != "processes" else v for k, v in vars(self).items()}
 
 
+#: a request to the agent within this many seconds of a passed :meth:`Workspace.check` does
+#: not check again (the env checks before each action, and the action's request follows)
+_RECHECK_AFTER_S = 0.05
+
+
 class Workspace:
     """A running workspace. Create with :meth:`create`, reach an existing one with :meth:`attach`."""
 
@@ -56,6 +65,8 @@ class Workspace:
         self._cgroup = Cgroup(record.cgroup)
         self._client = AgentClient(record.pid1, record.id) if record.pid1 else None
         self._closed = False
+        self._checked_at = float("-inf")  # when check() last passed (time.monotonic)
+        self._reclaims: list[Future] = []  # of what rollbacks replaced (see _reclaim_later)
 
     # life cycle ----------------------------------------------------------------------
     @classmethod
@@ -153,7 +164,21 @@ class Workspace:
         self._closed = True
         if self._client is not None:
             self._client.disconnect()
+        self._wait_reclaims()
         reclaim(self._rec, self._p)
+
+    def _reclaim_later(self, rec: records.Record) -> None:
+        """Reclaim what a rollback replaced (its processes already killed) off the caller's
+        path: waiting for a user-namespaced workspace's processes and mounts to go takes
+        ~70 ms, deleting its layer more. :meth:`close` waits for it; after a crash its record
+        (owned by this process) leads ``bunshin gc`` to it."""
+        self._reclaims = [f for f in self._reclaims if not f.done()]
+        self._reclaims.append(_reclaimer.submit(_reclaim_replaced, rec, self._p))
+
+    def _wait_reclaims(self) -> None:
+        for future in self._reclaims:
+            future.result()  # _reclaim_replaced logs its own failures
+        self._reclaims = []
 
     def __enter__(self) -> Workspace:
         return self
@@ -215,7 +240,11 @@ class Workspace:
             raise WorkspaceClosed(f"workspace {self.id} is closed")
 
     def _agent(self) -> _DeathReporting:
-        self.check()
+        # a check made a moment ago (the env's, before this step's action) is not made again:
+        # it reads /proc and the cgroup, the largest cost of a short command's round trip
+        if time.monotonic() - self._checked_at > _RECHECK_AFTER_S:
+            self.check()
+        self._checked_at = float("-inf")  # used once: the next request checks again
         if self._client is None:
             raise WorkspaceError(f"workspace {self.id} has no agent")
         return _DeathReporting(self, self._client)
@@ -230,6 +259,7 @@ class Workspace:
             raise WorkspaceClosed(why)
         if self._rec.pid1 is not None and not self._rec.running():
             raise WorkspaceClosed(self._died())
+        self._checked_at = time.monotonic()
 
     def _died(self) -> str:
         return (f"workspace {self.id} is no longer running: its processes were killed (PID 1, host pid "
@@ -478,6 +508,18 @@ def _wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
+
+
+#: one thread: reclaims touch the snapshot store's bookkeeping (releases, image copies) and
+#: are few; its pending work is finished at interpreter exit (concurrent.futures joins it)
+_reclaimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshin-reclaim")
+
+
+def _reclaim_replaced(rec: records.Record, p: Paths) -> None:
+    try:
+        reclaim(rec, p)
+    except Exception:  # noqa: BLE001 - its record stays: `bunshin gc` retries
+        log.exception("reclaiming %s (replaced by a rollback) failed; `bunshin gc` will retry", rec.id)
 
 
 def reclaim(rec: records.Record, p: Paths | None = None) -> None:
