@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bunshin_gym.workspace.errors import ChannelError, WorkspaceError
+from bunshin_gym.errors import WorkspaceError
+from bunshin_gym.workspace.client import WorkspaceClient
 from bunshin_gym.workspace.inroot import RootedPath
-from bunshin_gym.workspace.protocol import Client
 
 RUNTIME = Path(__file__).parent / "runtime"
 OPT = "/opt/bunshin"
@@ -207,7 +207,8 @@ class DesktopClient:
     """The host's connection to the in-workspace input server (lazy, droppable).
 
     Every request has a deadline and its reply a size cap; a failure is a
-    :class:`~bunshin_gym.workspace.errors.ChannelError` naming the workspace.
+    :class:`~bunshin_gym.errors.ChannelError` naming the workspace
+    (:class:`~bunshin_gym.workspace.client.WorkspaceClient`).
     """
 
     def __init__(self, ws: Any):
@@ -215,9 +216,8 @@ class DesktopClient:
         # the path is taken at each connect: a rollback gives the workspace a new PID 1. Only
         # what changes nothing is retried on a connection that broke: a server that dropped the
         # connection may have run the action (and died), so an action is never sent twice
-        self._client = Client(lambda: sock_path(ws, DESKTOP_SOCKET).connect(timeout=10.0),
-                              name=f"{ws.id}: the desktop input server", timeout=120.0, max_blobs=MAX_REPLY,
-                              retry_ops=("ping", "screenshot"), error=ChannelError)
+        self._client = WorkspaceClient(lambda: sock_path(ws, DESKTOP_SOCKET), name=f"{ws.id}: the desktop input server",
+                                       timeout=120.0, max_blobs=MAX_REPLY, retry_ops=("ping", "screenshot"))
 
     def close(self) -> None:
         self._client.close()

@@ -9,11 +9,11 @@ workspace. Every request has a deadline and its reply a size cap.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
-from bunshin_gym.errors import ChannelError, DriverError, WorkspaceError
+from bunshin_gym.errors import DriverError
+from bunshin_gym.workspace.client import WorkspaceClient
 from bunshin_gym.workspace.inroot import RootedPath
-from bunshin_gym.workspace.protocol import Client
 
 SOCKET = "/run/bunshin/web.sock"
 #: cap on one reply's blobs (a PNG screenshot of the viewport)
@@ -35,12 +35,11 @@ class BrowserClient:
     """
 
     def __init__(self, pid1: int, timeout: float = 60.0):
-        self.path = path = RootedPath(pid1, SOCKET)
+        self.path = RootedPath(pid1, SOCKET)
         self.timeout = timeout
-        # the connector holds the path, not self: no reference cycle, so a dropped client
-        # closes its socket at once (an open one would keep the workspace from a snapshot)
-        self._client = Client(lambda: path.connect(timeout=10.0), name=f"the browser driver at {path}",
-                              timeout=timeout, max_blobs=MAX_REPLY, retry_ops=(), error=ChannelError)
+        # nothing is sent twice, not even a ping: every op of the driver may act on the page
+        self._client = WorkspaceClient(self.path, name=f"the browser driver at {self.path}", timeout=timeout,
+                                       max_blobs=MAX_REPLY, retry_ops=())
 
     def close(self) -> None:
         self._client.close()
@@ -53,15 +52,9 @@ class BrowserClient:
             raise DriverError(reply["error"])
         return reply, blobs
 
-    def wait_ready(self, timeout: float = 60.0, alive=lambda: True) -> None:
-        """Wait until the driver answers ``ping`` (its socket appears once the browser runs)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.request({"op": "ping"}, timeout=10)
-                return
-            except WorkspaceError:
-                self.close()
-                if time.monotonic() > deadline or not alive():
-                    raise
-                time.sleep(0.05)
+    def wait_ready(self, timeout: float = 60.0, alive: Callable[[], bool] = lambda: True) -> None:
+        """Wait until the driver answers ``ping`` (its socket appears once the browser runs);
+        :class:`ChannelError` after ``timeout`` or once ``alive()`` is False."""
+        reply = self._client.wait_ready(timeout, ping_timeout=10.0, interval=0.05, alive=alive)
+        if "error" in reply:
+            raise DriverError(reply["error"])
