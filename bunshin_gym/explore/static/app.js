@@ -267,7 +267,7 @@ function lineChart(title, labels, series, opts = {}) {
     if (i % step) return;
     const anchor = n > 1 && i === 0 ? "start" : n > 1 && i === n - 1 ? "end" : "middle";
     const t = svg("text", { x: X(i), y: Hc - 12, "text-anchor": anchor, "font-size": 10, fill: "#66708a" });
-    t.textContent = String(lab).length > 10 ? String(lab).slice(-10) : lab;
+    t.textContent = String(lab).length > 12 ? String(lab).slice(0, 11) + "…" : lab;
     s.append(t);
   });
   const lines = series.map((ser, k) => {
