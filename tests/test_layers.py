@@ -1,0 +1,121 @@
+"""The package's layers import one way (docs/design.md): each module imports only from its own
+layer and the ones below it, the programs that run inside a workspace import nothing of the
+package, and the env families take the wire protocol from the package. Every import counts,
+deferred ones inside functions too. Units: reads the source, no workspace."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: layer -> the layers it may import (besides itself), bottom up as in docs/design.md
+ALLOWED = {
+    "errors": set(),
+    "config": {"errors"},
+    "kmod_share": {"errors", "config"},
+    "workspace": {"errors", "config", "kmod_share"},
+    "testing": {"errors", "config", "workspace"},
+    "core": {"errors", "config", "workspace"},
+    "envs": {"errors", "config", "workspace", "core"},
+}
+#: programs that run inside a workspace, with the workspace's python: no bunshin_gym there
+IN_WORKSPACE = ["bunshin_gym/workspace/agent.py", "envs/webarena/driver.py", "envs/webarena/urlguard.py",
+                "envs/webarena/shop", "envs/osworld/runtime", "envs/osworld/assets"]
+#: the one module used on both sides: it may take its error base from bunshin_gym.errors
+#: where that is importable (and defines its own where it is not)
+BOTH_SIDES = "bunshin_gym/workspace/protocol.py"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] == "envs":
+        parts = ["bunshin_gym", *parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package root: importing it runs registration (the top layer)
+    if parts[1] == "envs":
+        return "envs"
+    return parts[1]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every bunshin_gym import in the file, deferred ones included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("bunshin_gym")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("bunshin_gym"):
+            if node.module == "bunshin_gym":  # from bunshin_gym import config: the submodules named
+                out += [(node.lineno, f"bunshin_gym.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
+    return out
+
+
+def _files() -> list[Path]:
+    return sorted([*REPO.joinpath("bunshin_gym").rglob("*.py"), *REPO.joinpath("envs").rglob("*.py")])
+
+
+def _in_workspace(path: Path) -> bool:
+    rel = path.relative_to(REPO).as_posix()
+    return any(rel == p or rel.startswith(p + "/") for p in IN_WORKSPACE)
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    wrong = []
+    for path in _files():
+        if _in_workspace(path):
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        layer = _layer(_module(path))
+        if layer not in ALLOWED:
+            continue  # the upper layers (rollout, train, bench, serve, cli, ...) may import any below
+        # a benchmark of an env family (envs/*/bench.py) belongs to the bench layer
+        if layer == "envs" and path.name == "bench.py":
+            continue
+        for line, target in _imports(path):
+            to = _layer(target)
+            if to == layer:
+                continue
+            if rel == BOTH_SIDES and target == "bunshin_gym.errors":
+                continue
+            if to not in ALLOWED[layer]:
+                wrong.append(f"{rel}:{line} ({layer}) imports {target} ({to})")
+    assert not wrong, "imports against the layers of docs/design.md:\n" + "\n".join(wrong)
+
+
+def test_programs_inside_a_workspace_import_nothing_of_the_package():
+    wrong = [f"{p.relative_to(REPO)}:{line} imports {target}"
+             for p in _files() if _in_workspace(p) for line, target in _imports(p)]
+    assert not wrong, wrong
+    # the shipped protocol: only its guarded error base
+    protocol = REPO / BOTH_SIDES
+    assert [t for _, t in _imports(protocol)] == ["bunshin_gym.errors"]
+    tree = ast.parse(protocol.read_text())
+    guarded = [n for n in ast.walk(tree) if isinstance(n, ast.Try)
+               and any(isinstance(s, ast.ImportFrom) and s.module == "bunshin_gym.errors" for s in n.body)]
+    assert guarded and any(isinstance(h.type, ast.Name) and h.type.id == "ImportError" for h in guarded[0].handlers)
+
+
+def test_env_families_take_the_framing_from_the_package():
+    """Not from a copy or from a script that runs inside the workspace: the controller side of
+    every env imports bunshin_gym.workspace.protocol (or the client built on it), and the
+    in-workspace servers import the shipped /.bunshin/protocol.py."""
+    for path in _files():
+        if "envs" not in path.relative_to(REPO).parts or _in_workspace(path):
+            continue
+        for line, target in _imports(path):
+            assert not target.startswith("bunshin_gym.workspace.agent"), f"{path}:{line}"
+        text = path.read_text()
+        assert "def recv_msg" not in text and "def send_msg" not in text, f"{path} frames messages itself"
+    for server in (REPO / "envs/osworld/runtime/desktop_server.py", REPO / "envs/webarena/driver.py"):
+        text = server.read_text()
+        assert "from protocol import serve_unix" in text and '"/.bunshin"' in text, server
