@@ -119,3 +119,24 @@ def test_env_families_take_the_framing_from_the_package():
     for server in (REPO / "envs/osworld/runtime/desktop_server.py", REPO / "envs/webarena/driver.py"):
         text = server.read_text()
         assert "from protocol import serve_unix" in text and '"/.bunshin"' in text, server
+
+
+def test_the_library_layers_report_through_logging_not_print():
+    """print() is for the front ends' user-facing output (the CLI, benchmark tables, the
+    training job's progress) and for programs inside a workspace (their log is stderr);
+    everything else logs, so that an application decides what it shows."""
+    library = {*ALLOWED, "rollout", "registration"}
+    wrong = []
+    for path in _files():
+        # an env family's benchmark and its task generator (a script run by hand) are front ends;
+        # the protocol's server loop runs inside a workspace, where its stderr line is the log
+        if (_in_workspace(path) or path.name in ("bench.py", "make_tasks.py")
+                or path.relative_to(REPO).as_posix() == BOTH_SIDES or _layer(_module(path)) not in library):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            f = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(f, ast.Name) and f.id == "print") or (
+                    isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute)
+                    and f.value.attr in ("stdout", "stderr")):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not wrong, "use logging: " + ", ".join(wrong)
