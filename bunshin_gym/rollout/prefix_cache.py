@@ -59,12 +59,12 @@ import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
+from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text, same_observation
 from bunshin_gym.rollout.residency import Residency
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import CacheStats, Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
-from bunshin_gym.workspace.errors import SnapshotError, WorkspaceError
 
 __all__ = ["CacheStats", "Node", "PrefixCache", "PrefixCacheWrapper", "PrefixTree", "cache_key"]
 

@@ -83,7 +83,7 @@ class Residency:
 
 
 def _drop_from_memory(node: Any) -> None:
-    from bunshin_gym.workspace.errors import SnapshotError
+    from bunshin_gym.errors import SnapshotError
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     if not getattr(node, "snapshot", None):

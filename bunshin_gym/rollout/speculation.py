@@ -39,12 +39,12 @@ import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
+from bunshin_gym.errors import WorkspaceError
 from bunshin_gym.rollout.observation import observation_text
 from bunshin_gym.rollout.selector import SpecToolSelector
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
-from bunshin_gym.workspace.errors import WorkspaceError
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, tasks
 from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
 from bunshin_gym.envs.osworld.xclient import XScreen
-from bunshin_gym.workspace.errors import AgentError, ChannelError, WorkspaceError
+from bunshin_gym.errors import AgentError, ChannelError, WorkspaceError
 from bunshin_gym.workspace.protocol import MAX_HEADER, Unreachable
 
 log = logging.getLogger(__name__)

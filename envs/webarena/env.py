@@ -39,7 +39,7 @@ from bunshin_gym.envs.webarena.actions import ActionSyntaxError, URLRefused, che
 from bunshin_gym.envs.webarena.browser import SOCKET, BrowserClient, DriverError
 from bunshin_gym.envs.webarena.observation import Target, find_element, parse_aria, render_tree, tabs_line
 from bunshin_gym.envs.webarena.tasks import WebArenaTask, load_task, placeholder
-from bunshin_gym.workspace.errors import WorkspaceError
+from bunshin_gym.errors import WorkspaceError
 
 DRIVER_SOURCE = Path(__file__).with_name("driver.py")
 URLGUARD_SOURCE = Path(__file__).with_name("urlguard.py")  # imported by the driver
