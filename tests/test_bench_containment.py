@@ -99,3 +99,29 @@ def test_worktree_of_a_revision_links_envs(tmp_path: Path):
 def test_cli_parses_containment():
     args = parser().parse_args(["bench", "containment", "--before", "abc123", "--rounds", "1", "--json", "x.json"])
     assert (args.name, args.before, args.rounds, args.json) == ("containment", "abc123", 1, "x.json")
+
+
+def test_paired_steps_take_turns_and_check_each_side_runs_its_own_tree(tmp_path, monkeypatch):
+    """The two step workers alternate in turns of STEP_BATCH steps; each turn's steps are
+    logged with the side's name, so the order shows the turns. A stand-in worker (no env)."""
+    order = tmp_path / "order"
+    worker = r"""
+import json, os, sys, time
+print(json.dumps({"package": os.path.join(os.getcwd(), "bunshin_gym", "__init__.py")}), flush=True)
+for line in sys.stdin:
+    n = int(line.split()[1])
+    with open(os.environ["ORDER"], "a") as f:
+        f.write(os.path.basename(os.getcwd()) + f" {n}\n")
+    print(json.dumps({"step_s": [0.001] * n, "last_step_timing_step_s": []}), flush=True)
+"""
+    monkeypatch.setattr(c, "STEP_WORKER", worker)
+    monkeypatch.setenv("ORDER", str(order))
+    sides = {"before": tmp_path / "old", "after": tmp_path / "new"}
+    for tree in sides.values():
+        tree.mkdir()
+    docs = c.paired_steps(sides, tmp_path, "t", steps=12, batch=5)
+    assert order.read_text().split("\n")[:-1] == ["old 5", "new 5", "old 5", "new 5", "old 2", "new 2"]
+    assert all(len(d["step_s"]) == 12 for d in docs.values())
+    monkeypatch.setattr(c, "STEP_WORKER", worker.replace('os.getcwd(), "bunshin_gym"', '"/elsewhere"'))
+    with pytest.raises(RuntimeError, match="not the code of"):
+        c.paired_steps(sides, tmp_path, "u", steps=2)

@@ -15,7 +15,9 @@ keyed by its own source hash):
   distinct-page memory of the 16 clones after restore and after activity;
 - step latency of ``Bunshin-Shell-v0``: ``STEPS`` steps of ``echo hi`` after a few warm-up
   steps, wall time around ``env.step`` (the old tree has no ``last_step_timing``, so the same
-  measure is taken on both sides; the new one's ``step_s`` is kept in the JSON too).
+  measure is taken on both sides; the new one's ``step_s`` is kept in the JSON too). The two
+  sides' envs live at once and take turns of ``STEP_BATCH`` steps, so that their steps are
+  paired in time (:func:`paired_steps`).
 
 The runs interleave before/after/before/after (``rounds`` of each), so that drift on a
 shared machine hits both sides. Times are compared by the best round of each side (other
@@ -49,38 +51,45 @@ TIME_GOAL = 1.10
 #: a share/copy memory ratio counts as unchanged within this relative difference (or within
 #: the round-to-round spread of either side, if that is larger: that is the noise)
 MEMORY_RATIO_TOLERANCE = 0.05
-STEPS = 50
+STEPS = 100
 WARMUP_STEPS = 5
 FORK_ARGS = ("--image", "base", "--heap-mb", "300", "--counts", "16", "--modes", "copy,share")
 FORK_N = "16"
 RUN_TIMEOUT_S = 1800
 
 # Runs in the measured tree's own interpreter setup (python -c), so it may use only what
-# both trees have: gymnasium and the env id.
+# both trees have: gymnasium and the env id. It steps on command ("go N" on stdin: N steps,
+# their wall times as a JSON line on stdout), so that the two sides can take turns.
 STEP_WORKER = r"""
-import json, statistics, sys, time
+import json, sys, time
 import gymnasium as gym
 import bunshin_gym
-steps, warmup, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+warmup = int(sys.argv[1])
 env = gym.make("Bunshin-Shell-v0", max_steps=10**6)
 try:
     env.reset(options={"task": "shell/hello-file"})
     for _ in range(warmup):
         env.step("echo hi")
-    wall, inner = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        obs, _, _, _, info = env.step("echo hi")
-        wall.append(time.perf_counter() - t0)
-        if "error" in info or obs["output"].strip() != "hi":
-            raise SystemExit(f"step failed: {info} {obs['output']!r}")
-        timing = getattr(env.unwrapped, "last_step_timing", None)
-        if timing:
-            inner.append(timing["step_s"])
+    print(json.dumps({"package": bunshin_gym.__file__}), flush=True)
+    for line in sys.stdin:
+        if not line.startswith("go "):
+            break
+        wall, inner = [], []
+        for _ in range(int(line.split()[1])):
+            t0 = time.perf_counter()
+            obs, _, _, _, info = env.step("echo hi")
+            wall.append(time.perf_counter() - t0)
+            if "error" in info or obs["output"].strip() != "hi":
+                raise SystemExit(f"step failed: {info} {obs['output']!r}")
+            timing = getattr(env.unwrapped, "last_step_timing", None)
+            if timing:
+                inner.append(timing["step_s"])
+        print(json.dumps({"step_s": wall, "last_step_timing_step_s": inner}), flush=True)
 finally:
     env.close()
-json.dump({"package": bunshin_gym.__file__, "step_s": wall, "last_step_timing_step_s": inner}, open(out, "w"))
 """
+#: steps per turn when the two sides take turns (:func:`paired_steps`)
+STEP_BATCH = 5
 
 
 @dataclass(frozen=True)
@@ -251,22 +260,71 @@ def _run(cmd: list[str], tree: Path, log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... in {tree} exited {proc.returncode}; log {log}:\n{tail}")
 
 
-def measure(tree: Path, work: Path, tag: str, steps: int = STEPS) -> dict:
-    """One round of one side: the fork bench and the shell step latency, each a subprocess."""
+def paired_steps(sides: dict[str, Path], work: Path, tag: str, steps: int = STEPS,
+                 batch: int = STEP_BATCH) -> dict[str, dict]:
+    """Shell step latency of every side, taken in turns of ``batch`` steps (before, after,
+    before, ...): both envs live at once and only one steps at a time, so each side's steps
+    sit next to the other's in time and load on a shared host hits both alike (a side
+    measured for a minute after the other saw other load). Returns per side the step times
+    and the package path the worker imported."""
+    procs, docs = {}, {}
+    try:
+        for side, tree in sides.items():
+            log = (work / f"steps-{tag}-{side}.log").open("w")
+            procs[side] = subprocess.Popen([sys.executable, "-c", STEP_WORKER, str(WARMUP_STEPS)], cwd=tree,
+                                           env=_side_env(tree), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=log, text=True)
+            log.close()
+        for side, proc in procs.items():
+            docs[side] = {**_reply(proc, side, work, tag), "step_s": [], "last_step_timing_step_s": []}
+        done = 0
+        while done < steps:
+            n = min(batch, steps - done)
+            for side, proc in procs.items():
+                proc.stdin.write(f"go {n}\n")
+                proc.stdin.flush()
+                got = _reply(proc, side, work, tag)
+                docs[side]["step_s"] += got["step_s"]
+                docs[side]["last_step_timing_step_s"] += got["last_step_timing_step_s"]
+            done += n
+        for proc in procs.values():
+            proc.stdin.close()
+        for side, proc in procs.items():
+            if proc.wait(timeout=120):
+                raise RuntimeError(f"the step worker of {side} exited {proc.returncode}; "
+                                   f"log {work / f'steps-{tag}-{side}.log'}")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for side, tree in sides.items():
+        if not Path(docs[side]["package"]).resolve().is_relative_to(tree.resolve()):
+            raise RuntimeError(f"the step worker of {side} ran {docs[side]['package']}, not the code of {tree}")
+    return docs
+
+
+def _reply(proc: subprocess.Popen, side: str, work: Path, tag: str) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=60)
+        log = work / f"steps-{tag}-{side}.log"
+        raise RuntimeError(f"the step worker of {side} exited {proc.returncode}; log {log}:\n"
+                           f"{log.read_text()[-3000:]}")
+    return json.loads(line)
+
+
+def measure(tree: Path, work: Path, tag: str, steps_doc: dict) -> dict:
+    """One round of one side: the fork bench (a subprocess) and this side's share of the
+    round's paired shell steps."""
     load0, t0 = os.getloadavg(), time.monotonic()
     fork_json = work / f"fork-{tag}.json"
     _run([sys.executable, "-m", "bunshin_gym.cli", "bench", "fork", *FORK_ARGS, "--json", str(fork_json),
           "--plot", str(work / f"fork-{tag}.png")], tree, work / f"fork-{tag}.log")
-    steps_json = work / f"steps-{tag}.json"
-    _run([sys.executable, "-c", STEP_WORKER, str(steps), str(WARMUP_STEPS), str(steps_json)],
-         tree, work / f"steps-{tag}.log")
-    step_doc = json.loads(steps_json.read_text())
-    if not Path(step_doc["package"]).resolve().is_relative_to(tree.resolve()):
-        raise RuntimeError(f"the step worker of {tag} ran {step_doc['package']}, not the code of {tree}")
     fork = json.loads(fork_json.read_text())
-    figures = {**fork_figures(fork), **step_figures(step_doc)}
-    if step_doc["last_step_timing_step_s"]:
-        figures["inner_step_median_ms"] = round(statistics.median(step_doc["last_step_timing_step_s"]) * 1e3, 3)
+    figures = {**fork_figures(fork), **step_figures(steps_doc)}
+    if steps_doc["last_step_timing_step_s"]:
+        figures["inner_step_median_ms"] = round(statistics.median(steps_doc["last_step_timing_step_s"]) * 1e3, 3)
     # the frozen times split into freeze / files / dump / thaw: where a difference comes from
     snapshots = {mode: {"first": m["first_snapshot"], "delta": m["by_n"][FORK_N]["delta_snapshot"]}
                  for mode, m in fork["modes"].items()}
@@ -290,9 +348,10 @@ def run(json_path: str | None = None, *, before: str = DEFAULT_BEFORE, rounds: i
     work = Path(tempfile.mkdtemp(prefix="bunshin-bench-containment-"))
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for i in range(rounds):
+        steps_docs = paired_steps(sides, work, f"round{i + 1}", steps)
         for side, tree in sides.items():
             print(f"  round {i + 1} {side:<6} ...", end="", flush=True)
-            r = measure(tree, work, f"{side}{i + 1}", steps)
+            r = measure(tree, work, f"{side}{i + 1}", steps_docs[side])
             runs[side].append(r)
             f = r["figures"]
             print(f" {r['wall_s']:6.1f} s  fan-out copy {f['fanout_copy_s']} s share {f['fanout_share_s']} s  "
