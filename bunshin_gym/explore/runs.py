@@ -17,10 +17,12 @@ from the prefix cache, adopted from speculation).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ class Group:
     _raw: list[bytes] = field(default_factory=list, repr=False)  # step lines, parsed when asked for
     _steps: list[dict] = field(default_factory=list, repr=False)
     _parsed: int = 0  # how many of _raw are in _steps
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # requests run in threads
 
     def add_step(self, line: bytes, member: int, served: str) -> None:
         self._raw.append(line)
@@ -58,13 +61,14 @@ class Group:
     @property
     def steps(self) -> list[dict]:
         """The group's step lines, parsed (once each)."""
-        for line in self._raw[self._parsed:]:
-            try:
-                self._steps.append(json.loads(line))
-            except json.JSONDecodeError:
-                self.bad_lines += 1
-        self._parsed = len(self._raw)
-        return self._steps
+        with self._lock:
+            for line in self._raw[self._parsed:]:
+                try:
+                    self._steps.append(json.loads(line))
+                except json.JSONDecodeError:
+                    self.bad_lines += 1
+            self._parsed = len(self._raw)
+            return list(self._steps)
 
     @property
     def step_count(self) -> int:
@@ -84,6 +88,19 @@ class Group:
                 "done": len(self.ends) == self.members}
 
 
+def _current(method: Callable) -> Callable:
+    """A query of a :class:`Run`: reads what was appended first, and holds the run's lock (the
+    server answers requests from several threads)."""
+
+    @functools.wraps(method)
+    def query(self: Run, *args, **kwargs):
+        with self._lock:
+            self.refresh()
+            return method(self, *args, **kwargs)
+
+    return query
+
+
 class Run:
     """One run directory (see the module docs)."""
 
@@ -96,7 +113,7 @@ class Run:
         self.tasks: list[str] = []
         self.bad_lines = 0
         self._offset = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def name(self) -> str:
@@ -165,13 +182,13 @@ class Run:
             g.ends[rec["member"]] = rec
 
     # queries ---------------------------------------------------------------------------
+    @_current
     def page(self, *, offset: int = 0, limit: int = 50, epoch: str | None = None, task: str | None = None,
              min_reward: float | None = None, max_reward: float | None = None) -> dict:
         """A page of group summaries, newest epoch last, filtered by epoch, task and reward (a
         group matches when one of its members' rewards lies in [min_reward, max_reward])."""
         if offset < 0 or limit < 1:
             raise ValueError(f"a page needs offset >= 0 and limit >= 1, got offset={offset}, limit={limit}")
-        self.refresh()
         ids = self.order
         if epoch:
             ids = [i for i in ids if self.groups[i].epoch == epoch]
@@ -184,13 +201,14 @@ class Run:
         return {"total": len(ids), "offset": offset, "limit": limit,
                 "items": [self.groups[i].summary() for i in ids[offset:offset + limit]]}
 
+    @_current
     def group(self, gid: str) -> Group:
-        self.refresh()
         try:
             return self.groups[gid]
         except KeyError:
             raise KeyError(f"run {self.name} has no group {gid!r}") from None
 
+    @_current
     def step(self, gid: str, member: int, depth: int) -> dict:
         g = self.group(gid)
         for s in g.steps:
@@ -198,9 +216,9 @@ class Run:
                 return s
         raise KeyError(f"group {gid} has no step {depth} of member {member}")
 
+    @_current
     def info(self) -> dict:
         """What the page's header and filters need: epochs, tasks, counts, and the report."""
-        self.refresh()
         return {"name": self.name, "path": str(self.path), "epochs": self.epochs, "tasks": self.tasks,
                 "groups": len(self.order), "steps": sum(g.step_count for g in self.groups.values()),
                 "bad_lines": self.bad_lines + sum(g.bad_lines for g in self.groups.values()),
@@ -216,11 +234,11 @@ class Run:
             log.warning("%s: not readable JSON (%s); the page shows the curves of the step log only", path, e)
             return None
 
+    @_current
     def curves(self) -> dict:
         """Per epoch, from the step log: mean final reward, steps, share of steps served from
         the prefix cache and from speculation, tool seconds; plus the report's per-step curves
         (reward, rollout and generation time, hit rate, speculation accuracy, loss) if any."""
-        self.refresh()
         rows = []
         for epoch in self.epochs:
             groups = [g for g in self.groups.values() if g.epoch == epoch]
