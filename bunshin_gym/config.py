@@ -72,6 +72,8 @@ VARIABLES: tuple[Variable, ...] = (
              "those it wrote"),
     Variable("BUNSHIN_KMOD_DOUBLE", "", "copy: kmod mode copies pages instead of sharing them through the kernel "
              "module (a test double)"),
+    # the service (bunshin serve) and its client
+    Variable("BUNSHIN_SERVE_TOKEN", "", "the bearer token a RemoteEnv sends when none is given (token=...)"),
     # set by bunshin for its own CRIU action script (kmod mode); not configuration
     Variable("BUNSHIN_KMOD_REPORT", "", "where the kmod action script writes its report", INTERNAL),
     Variable("BUNSHIN_KMOD_STOP", "", "1: the kmod action script stops the restored holder", INTERNAL),

@@ -9,6 +9,10 @@ Each class also keeps the standard base it always had (``RuntimeError``, ``Value
 gymnasium's own ``gymnasium.error.ResetNeeded`` as well, so a caller that catches
 gymnasium's error (as gymnasium's wrappers raise it) catches bunshin's too.
 
+The subsystems above the env families define their own errors where they live, each a
+``BunshinError`` too: the service's (``bunshin_gym.serve``: ``ServeError`` and its HTTP
+statuses, ``FrameError``, ``TokenFileError``) and its client's (``bunshin_gym.remote.RemoteError``).
+
 The hierarchy::
 
     BunshinError

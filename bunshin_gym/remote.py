@@ -15,7 +15,6 @@ the server's idle timeout; an env whose client is gone is reclaimed by the serve
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from typing import Any
 import gymnasium as gym
 import httpx
 
+from bunshin_gym import config
+from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve import codec
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 60.0
 
 
-class RemoteError(RuntimeError):
+class RemoteError(BunshinError, RuntimeError):
     """The server refused a request or could not be reached; the message is the server's."""
 
     def __init__(self, message: str, status: int | None = None):
@@ -53,7 +54,7 @@ class _Connection:
     """One HTTP client shared by an env and its clones."""
 
     def __init__(self, server: str, token: str | None, timeout: float):
-        token = token or os.environ.get("BUNSHIN_SERVE_TOKEN")
+        token = token or config.get("BUNSHIN_SERVE_TOKEN")
         if not token:
             raise RemoteError("a RemoteEnv needs a token: token=... or $BUNSHIN_SERVE_TOKEN")
         self.http = httpx.Client(base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"},

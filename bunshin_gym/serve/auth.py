@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import parse_size
+from bunshin_gym.errors import BunshinError
 
 log = logging.getLogger(__name__)
 
 
-class TokenFileError(ValueError):
+class TokenFileError(BunshinError, ValueError):
     """The token file is missing, unreadable or malformed (the message names the field)."""
 
 

@@ -21,6 +21,8 @@ import numpy as np
 import zstandard
 from gymnasium import spaces
 
+from bunshin_gym.errors import BunshinError
+
 MAGIC = b"BSN1"
 MEDIA_TYPE = "application/x-bunshin-frame"
 #: zstd effort: a step's latency matters more than the bytes on a loopback or LAN link
@@ -34,7 +36,7 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     return _local.pair
 
 
-class FrameError(ValueError):
+class FrameError(BunshinError, ValueError):
     """Bytes that are not a frame of this format."""
 
 

@@ -15,12 +15,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve.auth import Principal
 
 log = logging.getLogger(__name__)
 
 
-class ServeError(Exception):
+class ServeError(BunshinError):
     """A request that cannot be served: ``status`` is the HTTP status to answer with."""
 
     status = 400
