@@ -8,6 +8,7 @@
     bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID, containment, soak)
     bunshin demo                        start, run, fork: what a workspace can do
     bunshin train [options]             GRPO (TRL) over the envs: the main job
+    bunshin serve [--host H] [--port N] [--token-file F]   E2B-compatible sandboxes and envs as a service
 """
 
 from __future__ import annotations
@@ -179,6 +180,11 @@ def _cmd_bench(args) -> int:
         doc = soak.run(args.json, cycles=args.cycles, minutes=args.minutes, threads=args.threads,
                        envs=tuple((args.envs or ",".join(soak.ENV_KINDS)).split(",")))
         return 0 if doc["errors"] == 0 and doc["leaks_total"] == 0 else 1
+    if args.name == "serve":
+        from bunshin_gym.bench import serve
+
+        doc = serve.run(args.json, desktop="desktop" in (args.envs or "shell,desktop"))
+        return 0 if doc["throughput"]["errors"] == 0 else 1
     raise AssertionError(args.name)
 
 
@@ -259,7 +265,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment", "soak"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment", "soak", "serve"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
@@ -281,6 +287,13 @@ def parser() -> argparse.ArgumentParser:
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
+
+    from bunshin_gym.serve.__main__ import add_arguments as serve_arguments
+    from bunshin_gym.serve.__main__ import main as serve_main
+
+    sv = sub.add_parser("serve", help="E2B-compatible sandboxes (with fork) and envs as an HTTP service")
+    serve_arguments(sv)
+    sv.set_defaults(fn=serve_main)
 
     ex = sub.add_parser("explore", help="a local web page: rollouts as fork trees, steps, curves, live workspaces")
     ex.add_argument("--run", default=None, help="a run directory (default: every run under $BUNSHIN_HOME/train)")

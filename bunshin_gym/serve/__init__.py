@@ -8,6 +8,14 @@
 See the README section "bunshin serve" for what works and what does not.
 """
 
-from bunshin_gym.serve.app import ServeConfig, create_app, run
-
 __all__ = ["ServeConfig", "create_app", "run"]
+
+
+def __getattr__(name: str):
+    # lazily: `bunshin` builds its parser from bunshin_gym.serve.__main__ on every command,
+    # and must not pay for importing FastAPI and the e2b SDK then
+    if name in __all__:
+        from bunshin_gym.serve import app
+
+        return getattr(app, name)
+    raise AttributeError(name)

@@ -1,0 +1,244 @@
+"""``bunshin bench serve``: what ``bunshin serve`` adds over calling the library in-process.
+
+- shell step latency: the same shell env and action (``true``) in-process and as a
+  RemoteEnv over loopback, rounds interleaved; the goal is at most 5 ms added at the median;
+- desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot) in both
+  ways; the goal is a remote median at most 1.2x the in-process one;
+- fork of 16: ``Sandbox.fork(count=16)`` through the E2B SDK against ``snapshot().fork(16)``
+  of a workspace in-process (one freeze, 16 copies, both);
+- throughput: 64 client threads, each stepping its own RemoteEnv (a clone of one env) as fast
+  as answers come, for a fixed time: steps per second held by one server, and errors.
+
+The server runs as its own process (``python -m bunshin_gym.serve``) on a free loopback port.
+
+Example:
+    >>> from bunshin_gym.bench import serve
+    >>> serve.run("bench/results/serve.json")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import httpx
+
+from bunshin_gym.bench.report import summary, table, write
+
+SHELL_TASK = "shell/count-files"
+DESKTOP_TASK = "osworld/editor-append-item"
+
+
+class _Server:
+    def __init__(self, tmp: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.token = "bench-" + os.urandom(12).hex()
+        (tmp / "tokens.json").write_text(json.dumps({"tokens": [{"token": self.token, "name": "bench"}]}))
+        self.log = open(tmp / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bunshin_gym.serve", "--port", str(self.port), "--token-file",
+             str(tmp / "tokens.json"), "--state-dir", str(tmp / "state"), "--close-on-exit", "--log-level", "warning"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 204:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start; see {tmp / 'server.log'}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _steps(env: gym.Env, actions: list, timings: list[float]) -> None:
+    for a in actions:
+        t0 = time.perf_counter()
+        _, _, _, _, info = env.step(a)
+        timings.append(time.perf_counter() - t0)
+        if "error" in info:
+            raise RuntimeError(f"step {a!r} failed: {info['error']}")
+
+
+def _interleaved(local: gym.Env, remote: gym.Env, actions: list, rounds: int) -> tuple[list[float], list[float]]:
+    loc: list[float] = []
+    rem: list[float] = []
+    _steps(local, actions[:3], [])  # warm: connections, first requests
+    _steps(remote, actions[:3], [])
+    for _ in range(rounds):
+        _steps(local, actions, loc)
+        _steps(remote, actions, rem)
+    return loc, rem
+
+
+def shell_step(server: _Server, steps: int, rounds: int) -> dict:
+    local = gym.make("Bunshin-Shell-v0", max_steps=10**6)
+    remote = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, max_steps=10**6)
+    try:
+        local.reset(options={"task": SHELL_TASK})
+        remote.reset(options={"task": SHELL_TASK})
+        loc, rem = _interleaved(local, remote, ["true"] * steps, rounds)
+    finally:
+        local.close()
+        remote.close()
+    out = {"in_process": summary(loc), "remote": summary(rem)}
+    out["added_median_ms"] = round(out["remote"]["median_ms"] - out["in_process"]["median_ms"], 3)
+    out["goal_added_median_ms"] = 5.0
+    return out
+
+
+def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
+    kwargs = dict(action_space="computer_13", require_a11y_tree=False, max_steps=10**6)
+    local = gym.make("Bunshin-OSWorld-v0", **kwargs)
+    remote = gym.make("Bunshin-OSWorld-v0", server=server.url, token=server.token, **kwargs)
+    try:
+        local.reset(options={"task": DESKTOP_TASK})
+        remote.reset(options={"task": DESKTOP_TASK})
+        actions = [{"action_type": "MOVE_TO", "x": 200 + 40 * (i % 20), "y": 700 + 10 * (i % 7)} if i % 2 else
+                   {"action_type": "PRESS", "key": "shift"} for i in range(steps)]
+        loc, rem = _interleaved(local, remote, actions, rounds)
+    finally:
+        local.close()
+        remote.close()
+    out = {"in_process": summary(loc), "remote": summary(rem)}
+    out["ratio_median"] = round(out["remote"]["median_ms"] / out["in_process"]["median_ms"], 3)
+    out["goal_ratio_median"] = 1.2
+    return out
+
+
+def fork16(server: _Server, n: int, rounds: int) -> dict:
+    from e2b import Sandbox
+
+    from bunshin_gym.workspace import Workspace
+
+    opts = {"api_url": server.url, "sandbox_url": server.url, "api_key": server.token}
+    api, local = [], []
+    sb = Sandbox.create("base", **opts)
+    ws = Workspace.create("base")
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            forks = sb.fork(count=n)
+            api.append(time.perf_counter() - t0)
+            bad = [f for f in forks if isinstance(f, Exception)]
+            for f in forks:
+                if not isinstance(f, Exception):
+                    f.kill()
+            if bad:
+                raise RuntimeError(f"{len(bad)} of {n} forks failed: {bad[0]}")
+            t0 = time.perf_counter()
+            clones = ws.fork(n)
+            local.append(time.perf_counter() - t0)
+            for c in clones:
+                c.close()
+    finally:
+        sb.kill()
+        ws.close()
+    out = {"n": n, "api_e2b_sdk": summary(api), "in_process": summary(local)}
+    out["ratio_median"] = round(out["api_e2b_sdk"]["median_ms"] / out["in_process"]["median_ms"], 3)
+    return out
+
+
+def throughput(server: _Server, clients: int, seconds: float) -> dict:
+    from bunshin_gym.remote import RemoteEnv
+
+    root = RemoteEnv("Bunshin-Shell-v0", server.url, token=server.token, max_steps=10**6)
+    envs = [root]
+    try:
+        root.reset(options={"task": SHELL_TASK})
+        envs += root.clone(clients - 1)
+        counts = [0] * clients
+        errors: list[str] = []
+        latencies: list[float] = []
+        lock = threading.Lock()
+        start = threading.Barrier(clients + 1)
+        stop_at = [0.0]
+
+        def client(i: int) -> None:
+            start.wait()
+            mine = []
+            while time.perf_counter() < stop_at[0]:
+                t0 = time.perf_counter()
+                try:
+                    _, _, _, _, info = envs[i].step("true")
+                    if "error" in info:
+                        raise RuntimeError(info["error"])
+                    counts[i] += 1
+                    mine.append(time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+            with lock:
+                latencies.extend(mine)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        stop_at[0] = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        start.wait()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+    finally:
+        for e in envs:
+            e.close()
+    return {"clients": clients, "seconds": round(elapsed, 2), "steps": sum(counts),
+            "steps_per_s": round(sum(counts) / elapsed, 1), "errors": len(errors), "first_errors": errors[:5],
+            "step_latency": summary(latencies) if latencies else None,
+            "slowest_client_steps": min(counts), "fastest_client_steps": max(counts)}
+
+
+def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, desktop: bool = True,
+        fork_n: int = 16, clients: int = 64, seconds: float = 20.0) -> dict:
+    results: dict = {"load_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory(prefix="bunshin-bench-serve-") as tmp:
+        server = _Server(Path(tmp))
+        try:
+            print("shell step latency ...", flush=True)
+            results["shell_step"] = shell_step(server, steps, rounds)
+            if desktop:
+                print("desktop step latency ...", flush=True)
+                results["desktop_step"] = desktop_step(server, steps, rounds)
+            print(f"fork of {fork_n} ...", flush=True)
+            results["fork"] = fork16(server, fork_n, rounds)
+            print(f"throughput with {clients} clients ...", flush=True)
+            results["throughput"] = throughput(server, clients, seconds)
+        finally:
+            server.stop()
+    results["load_after"] = os.getloadavg()
+    sh = results["shell_step"]
+    rows = [["shell step", sh["in_process"]["median_ms"], sh["remote"]["median_ms"],
+             f"+{sh['added_median_ms']} ms (goal <= 5)"]]
+    if desktop:
+        d = results["desktop_step"]
+        rows.append(["desktop step", d["in_process"]["median_ms"], d["remote"]["median_ms"],
+                     f"{d['ratio_median']}x (goal <= 1.2x)"])
+    f = results["fork"]
+    rows.append([f"fork {fork_n}", f["in_process"]["median_ms"], f["api_e2b_sdk"]["median_ms"],
+                 f"{f['ratio_median']}x"])
+    print(table(rows, ["median ms", "in-process", "through the server", ""]))
+    t = results["throughput"]
+    print(f"\n{t['clients']} clients: {t['steps_per_s']} steps/s over {t['seconds']} s, {t['errors']} errors")
+    return write("serve", results, json_path)

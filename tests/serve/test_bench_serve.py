@@ -1,0 +1,19 @@
+"""``bunshin bench serve`` on a tiny budget: every figure is measured and nothing fails."""
+
+from __future__ import annotations
+
+import json
+
+from bunshin_gym.bench import serve
+
+
+def test_tiny_bench_serve(tmp_path):
+    out = tmp_path / "serve.json"
+    doc = serve.run(str(out), steps=4, rounds=1, desktop=False, fork_n=2, clients=4, seconds=2.0)
+    assert json.loads(out.read_text())["benchmark"] == "serve"
+    shell = doc["shell_step"]
+    assert shell["in_process"]["n"] == shell["remote"]["n"] == 4
+    assert shell["remote"]["median_ms"] > 0 and "added_median_ms" in shell
+    assert doc["fork"]["n"] == 2 and doc["fork"]["api_e2b_sdk"]["median_ms"] > 0
+    t = doc["throughput"]
+    assert t["errors"] == 0 and t["steps"] > 0 and t["slowest_client_steps"] > 0
