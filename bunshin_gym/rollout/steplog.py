@@ -16,7 +16,11 @@ An observation is kept small: its text fields' tails inline (``obs["text"]``, at
 :data:`INLINE_CHARS` each), the whole text (each field capped at :data:`FULL_CHARS`) in
 ``media/<hash>.json`` when it is longer, and an image (a desktop's or a page's screenshot) as
 a thumbnail and a JPEG in ``media/``, each made once: files are named by the hash of what they
-hold, so the steps the prefix cache serves, which repeat an observation, add no file.
+hold, so the steps the prefix cache serves, which repeat an observation, add no file. Images
+are encoded by a worker thread (about 0.1 s for a 1080p screen, which the member's thread
+would otherwise wait for); the thread ends when nothing is left to write, and
+:meth:`StepLog.flush` waits for it. A step line may name a file a few milliseconds before it
+is written.
 
 Example:
     >>> steps = StepLog("runs/run-1")
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import threading
 import time
 import uuid
@@ -38,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 #: characters of each text field kept inline in a step line (the tail: the latest output)
 INLINE_CHARS = 400
 #: characters of each text field kept in the observation's media file
@@ -86,6 +92,15 @@ class StepLog:
         self.epoch = ""
         self._lock = threading.Lock()
         self._written: set[str] = set()
+        self._jobs: list[tuple] = []  # (path, make) for the worker
+        self._worker: threading.Thread | None = None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every media file named so far is written."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
 
     # records ---------------------------------------------------------------------------
     def group(self, *, task: str, members: int, instruction: str = "", obs: Any = None) -> str:
@@ -142,31 +157,58 @@ class StepLog:
 
     def _image(self, rgb: np.ndarray) -> dict:
         h, w = rgb.shape[:2]
-        digest = hashlib.sha1(rgb.tobytes(), usedforsecurity=False)
+        rgb = np.ascontiguousarray(rgb)
+        digest = hashlib.sha1(memoryview(rgb).cast("B"), usedforsecurity=False)
         digest.update(f"{h}x{w}".encode())
         key = digest.hexdigest()[:20]
-        out = {"size": [w, h], "thumb": self._media_named(f"{key}-t.jpg", lambda: _jpeg(rgb, THUMB_SIDE))}
+        out = {"size": [w, h], "thumb": self._media_named(f"{key}-t.jpg", lambda: _jpeg(rgb, THUMB_SIDE), later=True)}
         if self.screenshots:
-            out["shot"] = self._media_named(f"{key}.jpg", lambda: _jpeg(rgb, None))
+            out["shot"] = self._media_named(f"{key}.jpg", lambda: _jpeg(rgb, None), later=True)
         return out
 
     def _media(self, data: bytes, ext: str, make) -> str:
         key = hashlib.sha1(data, usedforsecurity=False).hexdigest()[:20]
         return self._media_named(f"{key}.{ext}", make)
 
-    def _media_named(self, name: str, make) -> str:
-        """``media/NAME``, written once (by content hash: an existing file holds the same)."""
+    def _media_named(self, name: str, make, later: bool = False) -> str:
+        """``media/NAME``, written once (by content hash: an existing file holds the same), now or
+        by the worker thread (``later``)."""
         rel = f"media/{name}"
         with self._lock:
             if name in self._written:
                 return rel
             self._written.add(name)
         path = self.media / name
-        if not path.exists():
-            tmp = path.with_suffix(f".tmp{threading.get_ident()}")
-            tmp.write_bytes(make())
-            tmp.replace(path)
+        if path.exists():
+            return rel
+        if not later:
+            _write(path, make)
+            return rel
+        with self._lock:
+            self._jobs.append((path, make))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._drain, name="step-log-media")
+                self._worker.start()
         return rel
+
+    def _drain(self) -> None:
+        """The worker: write queued media files until none is left, then end."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._worker = None
+                    return
+                path, make = self._jobs.pop(0)
+            try:
+                _write(path, make)
+            except Exception:  # noqa: BLE001 - a missing thumbnail must not stop the others
+                log.exception("step log: writing %s failed", path)
+
+
+def _write(path: Path, make) -> None:
+    tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+    tmp.write_bytes(make())
+    tmp.replace(path)
 
 
 def _jpeg(rgb: np.ndarray, side: int | None) -> bytes:

@@ -60,6 +60,7 @@ def record_groups(run_dir: Path, env_id: str, groups: list[tuple], G: int, **env
         for epoch, task, plans, *_ in groups:
             steps.epoch = epoch
             out.append(envs.run_group(lambda i, obs, hist, plans=plans: plans[i][len(hist)], options={"task": task}))
+        steps.flush()
     except BaseException:
         envs.close()
         cache.clear()

@@ -5,6 +5,7 @@ index (incremental reading, paging, filters), action marks, and the step log's o
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -144,6 +145,8 @@ def test_step_log_observations_stay_small(tmp_path):
     first = log.observation({"screenshot": screen, "accessibility_tree": tree, "terminal": "$ ", "instruction": "x"})
     again = log.observation({"screenshot": screen.copy(), "accessibility_tree": tree, "terminal": "$ "})
     assert first == again  # the same observation (a cache hit's): the same files, made once
+    log.flush()  # images are written by a worker thread, which then ends
+    assert not [t for t in threading.enumerate() if t.name == "step-log-media"]
     assert len(list((tmp_path / "media").iterdir())) == 3  # thumbnail, screenshot, full text
     assert first["size"] == [800, 600] and "instruction" not in first["text"]
     assert len(first["text"]["accessibility_tree"]) == INLINE_CHARS
@@ -155,7 +158,9 @@ def test_step_log_observations_stay_small(tmp_path):
     assert json.loads((tmp_path / first["full"]).read_text())["accessibility_tree"] == tree
     other = screen.copy()
     other[0, 0] = 255 - other[0, 0]
-    assert log.observation({"screenshot": other})["thumb"] != first["thumb"]
+    changed = log.observation({"screenshot": other})
+    log.flush()
+    assert changed["thumb"] != first["thumb"] and (tmp_path / changed["thumb"]).is_file()
     # a shell observation: short text inline, no media
     assert log.observation({"output": "f1\n", "exit_code": np.int64(0)}) == {
         "text": {"output": "f1\n"}, "values": {"exit_code": 0}}
