@@ -1,12 +1,12 @@
 """Configuration: every ``BUNSHIN_*`` environment variable, read here and nowhere else.
 
-:data:`VARIABLES` lists each one (its default and meaning, and who reads it: this package,
-the set-up and test scripts, the kernel-module VM tests, or bunshin itself for a program it
-starts); ``docs/configuration.md`` is generated from that list (:func:`markdown`) and
-``tests/test_config_vars.py`` fails when a variable is read or mentioned anywhere without
-being listed, or read outside this module.
-Values are read at use (a test or a benchmark may set one for a while), through the typed
-functions below or :func:`get`.
+:data:`VARIABLES` (loaded from ``variables.toml``) lists each one: its default and meaning,
+and who reads it (this package, the set-up and test scripts, the kernel-module VM tests, or
+bunshin itself for a program it starts). ``docs/configuration.md`` is generated from that
+list (:func:`markdown`), and ``tests/test_config_vars.py`` fails when a variable is read or
+mentioned anywhere without being listed, or read outside this module. Values are read at
+use (a test or a benchmark may set one for a while), through the typed functions below or
+:func:`get`.
 
 ``BUNSHIN_HOME`` (default ``/var/lib/bunshin``) holds the btrfs pool file and its mount,
 the CRIU build and the runtime layer; ``BUNSHIN_RUN`` (default ``/run/bunshin``) holds
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,66 +39,10 @@ class Variable:
     read_by: str = PACKAGE
 
 
-#: every BUNSHIN_* variable, in the order of docs/configuration.md
-VARIABLES: tuple[Variable, ...] = (
-    # where things live
-    Variable("BUNSHIN_HOME", "/var/lib/bunshin", "state on the host: the pool file and its mount, the CRIU build, "
-             "the runtime layer, caches (the scripts read it too)"),
-    Variable("BUNSHIN_RUN", "/run/bunshin", "records of live workspaces, logs, CRIU's kernel-feature cache "
-             "(gone with a reboot, as the workspaces are)"),
-    Variable("BUNSHIN_POOL_FILE", "$BUNSHIN_HOME/pool.img", "the btrfs pool's sparse loop file (or a block device)"),
-    Variable("BUNSHIN_POOL_SIZE", "60G", "size of the pool file set-up creates"),
-    Variable("BUNSHIN_POOL", "$BUNSHIN_HOME/pool", "where the btrfs pool is mounted"),
-    Variable("BUNSHIN_CRIU_PREFIX", "$BUNSHIN_HOME/criu", "install prefix of the patched CRIU"),
-    Variable("BUNSHIN_CGROUP_ROOT", "/sys/fs/cgroup", "the cgroup hierarchy workspaces are created under "
-             "(read at import)"),
-    Variable("BUNSHIN_RECIPES", "", "colon-separated directories of extra image recipes (*.toml)"),
-    Variable("BUNSHIN_OSWORLD_CACHE", "", "colon-separated directories searched for OSWorld task files before "
-             "the shipped assets"),
-    # containment and limits
-    Variable("BUNSHIN_USERNS", "1", "0 runs workspaces without a user namespace"),
-    Variable("BUNSHIN_USERNS_BASE", "1000000", "host uid/gid of root inside a workspace (65536 ids from it)"),
-    Variable("BUNSHIN_WS_MEMORY", "8G", "a workspace's memory cgroup limit (no swap); max: unlimited"),
-    Variable("BUNSHIN_WS_PIDS", "4096", "a workspace's processes and threads; max: unlimited"),
-    Variable("BUNSHIN_WS_DISK", "8G", "what a workspace may write (a btrfs quota on its subvolume); max: unlimited"),
-    # snapshots and memory modes
-    Variable("BUNSHIN_MAX_SNAPSHOT_DEPTH", "8", "ancestors' page files a snapshot may reference before it is "
-             "flattened"),
-    Variable("BUNSHIN_DUMP_TRIES", "4", "tries of a CRIU dump that failed only to seize a task"),
-    Variable("BUNSHIN_CRIU_DUMP_VERBOSITY", "3", "CRIU's log level for dumps (4 logs debug lines into each "
-             "snapshot's criu/dump.log, ~30 ms more frozen time)"),
-    Variable("BUNSHIN_SHARE_KSM", "0", "1 makes share clones KSM-mergeable too (equal pages they write merge)"),
-    Variable("BUNSHIN_SHARE_ANON", "", "ksm: share mode serves anonymous memory through KSM, not userfaultfd"),
-    Variable("BUNSHIN_UFFD_DELTA", "1", "0: a snapshot of a uffd-served clone records all its pages, not only "
-             "those it wrote"),
-    Variable("BUNSHIN_KMOD_DOUBLE", "", "copy: kmod mode copies pages instead of sharing them through the kernel "
-             "module (a test double)"),
-    # the service (bunshin serve) and its client
-    Variable("BUNSHIN_SERVE_TOKEN", "", "the bearer token a RemoteEnv sends when none is given (token=...)"),
-    # set by bunshin for its own CRIU action script (kmod mode); not configuration
-    Variable("BUNSHIN_KMOD_REPORT", "", "where the kmod action script writes its report", INTERNAL),
-    Variable("BUNSHIN_KMOD_STOP", "", "1: the kmod action script stops the restored holder", INTERNAL),
-    Variable("BUNSHIN_KMOD_HOLDER", "", "PID1:CGROUP of the holder the kmod action script shares from", INTERNAL),
-    # the scripts
-    Variable("BUNSHIN_VENV", "$REPO/.venv", "the virtual environment set-up creates and the scripts run", SCRIPTS),
-    Variable("BUNSHIN_IMAGES", "base webarena osworld", "images set-up builds", SCRIPTS),
-    Variable("BUNSHIN_BUILD", "$BUNSHIN_HOME/build", "work directory of the CRIU and pycriu builds", SCRIPTS),
-    Variable("BUNSHIN_MIRROR", "", "Debian archive for debootstrap and the CRIU source (default: the one apt "
-             "uses); also read by image builds, through scripts/lib/host.sh", SCRIPTS),
-    # the kernel module's VM tests (kmod/vmtest.sh, kmod/e2e.sh and the programs they start)
-    Variable("BUNSHIN_KMOD_BUILD", "kmod/build", "build directory of the VM tests", KMOD_VM),
-    Variable("BUNSHIN_KMOD_CACHE", "/var/cache/bunshin-kmod", "kernel and module cache of the VM tests", KMOD_VM),
-    Variable("BUNSHIN_KMOD_MIB", "1024", "MiB the kmod benchmark shares", KMOD_VM),
-    Variable("BUNSHIN_KMOD_VM_MEM", "3584M (e2e: 6144M)", "memory of the test VM", KMOD_VM),
-    Variable("BUNSHIN_KMOD_KVER", "", "kernel version to test against (default: the newest cached)", KMOD_VM),
-    Variable("BUNSHIN_KMOD_TIMEOUT", "900 (bench 1500, e2e 3600)", "seconds the VM may run", KMOD_VM),
-    Variable("BUNSHIN_KMOD_E2E_PYTEST", "tests/test_kmod_e2e.py", "the pytest words the e2e VM runs", KMOD_VM),
-    Variable("BUNSHIN_KMOD_E2E_MEMORY", "1", "0 skips the e2e memory measurement", KMOD_VM),
-    Variable("BUNSHIN_KMOD_E2E_POOL", "8G", "size of the e2e VM's pool", KMOD_VM),
-    Variable("BUNSHIN_KMOD_KEEP_POOL", "0", "1 keeps the e2e VM's pool image afterwards", KMOD_VM),
-    Variable("BUNSHIN_E2E_CLONES", "4", "clones of the e2e memory measurement", KMOD_VM),
-    Variable("BUNSHIN_E2E_HEAP_MB", "64", "heap MB of the e2e memory measurement", KMOD_VM),
-)
+#: every BUNSHIN_* variable, in the order of docs/configuration.md (the list is data:
+#: bunshin_gym/variables.toml)
+VARIABLES: tuple[Variable, ...] = tuple(
+    Variable(**row) for row in tomllib.loads(Path(__file__).with_name("variables.toml").read_text())["variable"])
 _BY_NAME = {v.name: v for v in VARIABLES}
 
 
@@ -109,7 +54,7 @@ def get(name: str, default: str | None = None) -> str:
     try:
         var = _BY_NAME[name]
     except KeyError:
-        raise KeyError(f"{name} is not a listed variable: add it to bunshin_gym.config.VARIABLES") from None
+        raise KeyError(f"{name} is not a listed variable: add it to bunshin_gym/variables.toml") from None
     return os.environ.get(name, var.default if default is None else default)
 
 
@@ -361,7 +306,7 @@ _SECTIONS = ((PACKAGE, "Read by the package"), (INTERNAL, "Set by bunshin for a 
 def markdown() -> str:
     """docs/configuration.md, generated from :data:`VARIABLES`."""
     out = ["# Configuration", "",
-           "<!-- generated from bunshin_gym/config.py's VARIABLES; tests/test_config_vars.py checks it is",
+           "<!-- generated from bunshin_gym/variables.toml; tests/test_config_vars.py checks it is",
            "     current. Regenerate: python -c 'import bunshin_gym.config as c; print(c.markdown(), end=\"\")'",
            "     > docs/configuration.md -->", "",
            "bunshin-gym is configured by environment variables only, all named `BUNSHIN_*`, all read",

@@ -92,7 +92,7 @@ def test_no_bunshin_variable_is_read_outside_config():
 def test_every_variable_anywhere_is_listed():
     listed = {v.name for v in config.VARIABLES}
     unlisted = {name: sorted(files) for name, files in _mentioned().items() if name not in listed}
-    assert not unlisted, f"add these to bunshin_gym.config.VARIABLES: {unlisted}"
+    assert not unlisted, f"add these to bunshin_gym/variables.toml: {unlisted}"
 
 
 def test_every_listed_variable_is_used():
@@ -108,6 +108,8 @@ def test_every_listed_variable_is_used():
     mentioned = _mentioned()
     names = [v.name for v in config.VARIABLES]
     assert len(names) == len(set(names)), "a variable is listed twice"
+    assert {v.read_by for v in config.VARIABLES} <= {config.PACKAGE, config.INTERNAL, config.SCRIPTS, config.KMOD_VM}
+    assert all(v.name.startswith("BUNSHIN_") and v.meaning for v in config.VARIABLES)
     for v in config.VARIABLES:
         if v.read_by in (config.PACKAGE, config.INTERNAL):
             assert v.name in read, f"{v.name} is listed as read by the package but nothing reads it via config"
