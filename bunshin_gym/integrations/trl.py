@@ -27,10 +27,13 @@ function as a tool, so set-up (``configure``) and clean-up (``close_all``) are c
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import logging
 import threading
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import gymnasium as gym
@@ -354,3 +357,48 @@ def task_rows(task_ids: list[str], *, repeats: int = 1, system: str | None = Non
 def _close_everything() -> None:
     # TRL keeps its environment pool for the trainer's lifetime and never closes it
     BunshinEnvironment.close_all()
+
+
+def tool_methods(env: BunshinEnvironment) -> list:
+    """The bound methods TRL exposes as tools for ``env`` (its rule: public functions of the
+    class other than ``reset`` and ``get_reward``)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+@dataclass
+class PromptExample:
+    """A prompt as TRL renders it and the first call the model should write (``warm_start`` input)."""
+
+    task_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    env_mask: list[int]
+
+
+def first_call_examples(cls: type[BunshinEnvironment], tokenizer: Any, tasks: dict[str, Any],
+                        to_call: Callable[[Any], tuple[str, dict]]) -> list[PromptExample]:
+    """For each task with an oracle: TRL's prompt for it (the row's prompt plus what the real
+    ``reset`` returns, tools rendered by the chat template) and the oracle's first action as a
+    tool call, ended with the end-of-turn token. ``to_call`` maps an action to (tool, arguments)."""
+    from bunshin_gym.train.tools import call_text
+
+    row = task_rows([""])[0]
+    out = []
+    for task_id, task in tasks.items():
+        actions = task.oracle() or []
+        if not actions:
+            continue
+        env = cls()
+        try:
+            first = env.reset(**{**row, "task": task_id})
+            tools = tool_methods(env)
+        finally:
+            env._close_env()
+        msgs = [*row["prompt"][:-1], {"role": "user", "content": row["prompt"][-1]["content"] + first}]
+        prompt = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]
+        completion = tokenizer(call_text(*to_call(actions[0])), add_special_tokens=False)["input_ids"]
+        completion.append(tokenizer.eos_token_id)
+        out.append(PromptExample(task_id, list(prompt), completion, [1] * len(completion)))
+    return out

@@ -26,6 +26,8 @@ def arg(default: Any, help: str) -> Any:
 @dataclass
 class Args:
     env_id: str = arg("Bunshin-Shell-v0", "env to train in")
+    api: str = arg("rollout_func", "how TRL drives the env: 'rollout_func' (bunshin's group rollouts, token-exact) or "
+                   "'environment_factory' (TRL's own tool loop over bunshin_gym.integrations.trl's env classes)")
     tasks: str = arg("all", "comma-separated task ids, or 'all' (the env's shipped task set)")
     policy: str = arg("tiny", "'tiny' (built here, offline) or the path of a local Hugging Face causal LM")
     server_url: str = arg("", "OpenAI-compatible server (vLLM...) to sample rollouts from, e.g. http://127.0.0.1:8000/v1")
@@ -100,6 +102,9 @@ def main(args: Args) -> dict:
     # TRL toggles gradient checkpointing through names transformers has deprecated: one warning per
     # step would break the progress bar
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    if args.api not in ("rollout_func", "environment_factory"):
+        raise ValueError(f"--api must be 'rollout_func' or 'environment_factory', not {args.api!r}")
+    factory_api = args.api == "environment_factory"
     t_start = time.perf_counter()
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -145,14 +150,24 @@ def main(args: Args) -> dict:
                              max_groups=args.max_groups, env_kwargs={"step_log": step_log})
     evaluator = server or LocalGenerator(model, fmt, temperature=args.temperature)
     report: dict = {"config": dataclasses.asdict(args), "tasks": task_ids, "out_dir": str(out)}
+    env_cls = None
+    if factory_api:
+        from bunshin_gym.integrations.trl import environment_class, first_call_examples
+
+        env_cls = environment_class(args.env_id).configure(cache=cache, speculation=spec)
     try:
         # 3. warm start from the oracle solutions ---------------------------------------------
         t0 = time.perf_counter()
         step_log.epoch = "warm start (oracle)"
-        oracle = oracle_episodes(rollout, tasks) if args.warm_start_steps else []
+        if factory_api:
+            # TRL renders its own prompts (tool schemas from the env class): fit the first call on those
+            oracle = (first_call_examples(env_cls, proc, tasks, adapter.from_action) if args.warm_start_steps
+                      else [])
+        else:
+            oracle = oracle_episodes(rollout, tasks) if args.warm_start_steps else []
         losses = warm_start(model, oracle, steps=args.warm_start_steps, lr=args.warm_start_lr, pad_id=fmt.pad_id,
                             target_loss=args.warm_start_loss, seed=args.seed)
-        report["warm_start"] = {"episodes": len(oracle), "oracle_reward": [e.reward for e in oracle],
+        report["warm_start"] = {"episodes": len(oracle), "oracle_reward": [getattr(e, "reward", None) for e in oracle],
                                 "steps": len(losses), "loss_first": losses[0] if losses else None,
                                 "loss_last": losses[-1] if losses else None, "wall_s": time.perf_counter() - t0}
         if losses:
@@ -161,7 +176,7 @@ def main(args: Args) -> dict:
 
         # 4. evaluate, train, evaluate ----------------------------------------------------------
         def evaluate(name: str) -> dict | None:
-            if not args.eval_episodes:
+            if not args.eval_episodes or factory_api:  # the rollout_func path's prompts: not the ones trained
                 return None
             torch.manual_seed(args.seed + 1000)
             step_log.epoch = f"eval {name}"
@@ -182,7 +197,8 @@ def main(args: Args) -> dict:
             num_generations=G, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
             beta=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
             seed=args.seed, dataloader_num_workers=0,
-            reward_weights=[1.0, args.format_reward] if args.format_reward else None,
+            reward_weights=[1.0, args.format_reward] if args.format_reward and not factory_api else None,
+            max_tool_calling_iterations=args.max_turns,
         )
         bar = tqdm(total=args.steps, desc="GRPO", unit="step", disable=args.quiet)
 
@@ -191,14 +207,25 @@ def main(args: Args) -> dict:
                 step_log.epoch = f"GRPO step {state.global_step + 1}"  # the step's rollouts come next
 
             def on_step_end(self, a, state, control, **kw):
-                last = rollout.history[-1]
                 bar.update(1)
-                bar.set_postfix(reward=f"{last.mean_reward:.2f}", rollout=f"{last.wall_s:.1f}s")
+                if rollout.history and not factory_api:
+                    last = rollout.history[-1]
+                    bar.set_postfix(reward=f"{last.mean_reward:.2f}", rollout=f"{last.wall_s:.1f}s")
 
-        rewards = [env_reward] + ([tool_format_reward] if args.format_reward else [])
-        trainer = ScaledAdvantageGRPOTrainer(model=model, reward_funcs=rewards, args=config,
-                              train_dataset=tasks_dataset(task_ids, repeats=-(-groups // len(task_ids))),
-                              processing_class=proc, rollout_func=rollout, callbacks=[Progress()])
+        repeats = -(-groups // len(task_ids))
+        if factory_api:
+            from bunshin_gym.integrations.trl import task_rows
+
+            # the env class owns the reward (get_reward); TRL runs the tool loop
+            trainer = ScaledAdvantageGRPOTrainer(model=model, reward_funcs=None, args=config,
+                                                 train_dataset=task_rows(task_ids, repeats=repeats),
+                                                 processing_class=proc, environment_factory=env_cls,
+                                                 callbacks=[Progress()])
+        else:
+            rewards = [env_reward] + ([tool_format_reward] if args.format_reward else [])
+            trainer = ScaledAdvantageGRPOTrainer(model=model, reward_funcs=rewards, args=config,
+                                                 train_dataset=tasks_dataset(task_ids, repeats=repeats),
+                                                 processing_class=proc, rollout_func=rollout, callbacks=[Progress()])
         from transformers import PrinterCallback
 
         trainer.negative_scale = args.negative_advantages
@@ -214,8 +241,8 @@ def main(args: Args) -> dict:
 
         # 5. report --------------------------------------------------------------------------------
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        steps = []
-        for i, res in enumerate(rollout.history[first_train:first_train + args.steps]):
+        steps = factory_steps(logs, trainer.reward_func_names) if factory_api else []
+        for i, res in enumerate([] if factory_api else rollout.history[first_train:first_train + args.steps]):
             per_task: dict[str, list[float]] = {}
             for e in res.episodes:
                 per_task.setdefault(e.task_id, []).append(e.reward)
@@ -240,9 +267,22 @@ def main(args: Args) -> dict:
         say("\n" + reporting.summary(report))
         return report
     finally:
+        if env_cls is not None:
+            env_cls.close_all()
         rollout.close()
         if cache is not None and not args.keep_cache:
             cache.clear()
+
+
+def factory_steps(logs: list[dict], reward_names: list[str]) -> list[dict]:
+    """Per-step report entries of an environment_factory run, from TRL's logged metrics (the
+    env class's reward column, its step time); what only bunshin's rollout_func records
+    (per-task rewards, generation time, cache per step) is left empty."""
+    name = reward_names[-1]
+    return [{"step": i + 1, "reward": float(h.get(f"rewards/{name}/mean", 0.0)), "per_task": {},
+             "rollout_s": float(h.get("step_time", 0.0)), "generate_s": 0.0, "cache": {}, "speculation": {},
+             "workspace_mb": 0.0, "tool_calls": float(h.get("tools/call_frequency", 0.0)),
+             "malformed_turns": 0, "truncated_turns": 0, "loss": h.get("loss")} for i, h in enumerate(logs)]
 
 
 def add_arguments(parser: Any) -> None:

@@ -9,7 +9,13 @@ import os
 
 import pytest
 
-from bunshin_gym.integrations.trl import DesktopEnvironment, ShellEnvironment, WebEnvironment, task_rows
+from bunshin_gym.integrations.trl import (
+    DesktopEnvironment,
+    ShellEnvironment,
+    WebEnvironment,
+    first_call_examples,
+    task_rows,
+)
 
 torch = pytest.importorskip("torch")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -84,31 +90,15 @@ def tiny_tool_policy(tmp_path_factory):
     from bunshin_gym.envs.shell.env import shipped_tasks
     from bunshin_gym.train.policies import load_hf_policy
     from bunshin_gym.train.tiny import build_tiny_policy, shell_corpus
-    from bunshin_gym.train.tools import call_text
+    from bunshin_gym.train.tools import SHELL
     from bunshin_gym.train.warmstart import warm_start
 
     path = build_tiny_policy(shell_corpus(shipped_tasks()), tmp_path_factory.mktemp("tiny"), hidden=32)
     model, tok = load_hf_policy(str(path))
-    probe = ShellEnvironment.configure()
-    tools = [probe().shell, probe().done]
-    row = task_rows(["shell/hello-file"])[0]
-    examples = []
-
-    class Example:  # the fields warm_start reads: TRL's prompt (row prompt + reset text) and a shell call
-        def __init__(self, task: str, command: str):
-            try:
-                first = probe().reset(**{**row, "task": task})  # the real reset text TRL appends
-            finally:
-                probe.close_all()
-            msgs = [{"role": "user", "content": row["prompt"][-1]["content"] + first}]
-            self.prompt_ids = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]
-            self.completion_ids = tok(call_text("shell", {"command": command}),
-                                      add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            self.env_mask = [1] * len(self.completion_ids)
-
-    examples = [Example("shell/hello-file", "echo hello world > /home/user/hello.txt"),
-                Example("shell/make-dir", "mkdir -p /home/user/projects/alpha")]
+    tasks = {t.id: t for t in shipped_tasks() if t.id in ("shell/hello-file", "shell/make-dir")}
+    examples = first_call_examples(ShellEnvironment, tok, tasks, SHELL.from_action)
+    assert [e.task_id for e in examples] == list(tasks)
+    assert tok.decode(examples[0].completion_ids).startswith('<tool_call>\n{"name": "shell"')
     losses = warm_start(model, examples, steps=150, lr=5e-3, pad_id=tok.pad_token_id, target_loss=0.02)
     assert losses[-1] < 0.5
     return model, tok
@@ -147,3 +137,13 @@ def test_two_grpo_steps_through_environment_factory(tiny_tool_policy, tmp_path):
     assert all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0.0
     assert any(h["loss"] != 0 for h in logs)  # some group's rewards differed
     assert sum(float((p.detach() - q).abs().sum()) for p, q in zip(model.parameters(), start, strict=True)) > 0
+
+
+def test_train_api_is_checked_and_reads_trl_metrics(tmp_path):
+    from bunshin_gym.train.main import Args, factory_steps, main
+
+    with pytest.raises(ValueError, match="--api must be"):
+        main(Args(api="callbacks", out_dir=str(tmp_path), quiet=True))
+    logs = [{"loss": 0.5, "rewards/ShellEnvironment/mean": 0.75, "step_time": 2.0, "tools/call_frequency": 1.5}]
+    (step,) = factory_steps(logs, ["ShellEnvironment"])
+    assert (step["reward"], step["rollout_s"], step["tool_calls"], step["loss"]) == (0.75, 2.0, 1.5, 0.5)
