@@ -13,6 +13,11 @@ If AT-SPI is unavailable (no bus, no registry), it falls back to the X window tr
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import socket
+import struct
 import sys
 import time
 from xml.sax.saxutils import escape, quoteattr
@@ -162,6 +167,612 @@ def dump_atspi(max_nodes: int, seconds: float) -> str:
     return "\n".join(d.out)
 
 
+# The pipelined walker -------------------------------------------------------------------
+# The same questions as Dumper's, asked of the apps with raw D-Bus calls (Gio), many in
+# flight at a time and one tree level per round instead of one round trip per question:
+# the old walker's cost is almost all waiting (walker -> bus -> app -> bus -> walker for
+# each of ~8 questions per node, and for each of ~5 per visible Calc cell), which on a
+# busy host is one scheduler wake-up of three processes per question. AT-SPI's cache
+# interface (Cache.GetItems) was tried first and dropped: LibreOffice answers it for every
+# object it ever created (1850 on the Calc task, menus included), which took it 1.9-5.7 s.
+
+ACC = "org.a11y.atspi.Accessible"
+IFACE_COMPONENT = "org.a11y.atspi.Component"
+IFACE_TEXT = "org.a11y.atspi.Text"
+IFACE_VALUE = "org.a11y.atspi.Value"
+IFACE_TABLE = "org.a11y.atspi.Table"
+PROPS = "org.freedesktop.DBus.Properties"
+NULL_PATH = "/org/a11y/atspi/null"
+ROOT_PATH = "/org/a11y/atspi/accessible/root"
+#: calls in flight at once on one connection (the a11y bus's dbus-daemon refuses more than
+#: its max_replies_per_connection, 128 by default, pending on one connection)
+WINDOW = 96
+#: longest wait for the next reply (the old walker waits 1.5 s per call; a batch is longer)
+REPLY_TIMEOUT_S = 5.0
+HUGE_TABLE_ROLES = ("table", "tree table", "spreadsheet")
+
+
+class CallFailed(Exception):
+    """A D-Bus call that returned an error (the element is gone, busy, lacks the interface)."""
+
+    def __init__(self, name: str, message: str = ""):
+        super().__init__(f"{name}: {message}" if message else name)
+        self.name = name
+
+
+#: what an object answers for an interface it does not have
+NO_INTERFACE_ERRORS = ("org.freedesktop.DBus.Error.UnknownMethod", "org.freedesktop.DBus.Error.UnknownInterface",
+                       "org.freedesktop.DBus.Error.UnknownProperty")
+
+
+class Node:
+    """What the walker learned about one accessible (the input of :func:`build_xml`).
+
+    ``role`` is the role name (``"push button"``), ``states`` the set of state names that
+    are set, ``extents`` ``(x, y, w, h)`` or None, ``text`` the first MAX_TEXT characters
+    of a text element ("" if none), ``value`` the current value of a value element or None,
+    ``n_children`` the child count the element reports, ``children`` the first
+    min(n_children, 3000) children (None for one that could not be read), ``cells`` the
+    visible cells ``(name, text)`` of a huge table. ``ok`` is False when the role, name or
+    state could not be read: the element is then left out, as the old walker does.
+    """
+
+    __slots__ = ("ref", "ok", "role", "name", "states", "n_children", "ifaces", "extents", "text", "value",
+                 "children", "cells")
+
+    def __init__(self, ref: tuple[str, str] | None = None, *, ok: bool = True, role: str = "unknown",
+                 name: str = "", states: frozenset[str] = frozenset(), n_children: int = 0,
+                 ifaces: frozenset[str] = frozenset(), extents: tuple[int, int, int, int] | None = None,
+                 text: str = "", value: float | None = None, children: list | None = None,
+                 cells: list[tuple[str, str]] | None = None):
+        self.ref, self.ok, self.role, self.name, self.states = ref, ok, role, name, states
+        self.n_children, self.ifaces, self.extents, self.text, self.value = n_children, ifaces, extents, text, value
+        self.children = children if children is not None else []
+        self.cells = cells
+
+
+def build_xml(apps: list[Node], max_nodes: int = 3000, deadline: float = float("inf")) -> str:
+    """The XML of the old walker (:class:`Dumper`) for an already fetched tree: same element
+    order, attributes, limits (``max_nodes`` counted in document order, cells of huge tables
+    counted and kept as ``Dumper._visible_cells`` does)."""
+    out = [HEADER + ">"]
+    count = 0
+
+    def node(n: Node, depth: int, app_level: bool) -> None:
+        nonlocal count
+        if count >= max_nodes or time.monotonic() > deadline or not n.ok:
+            return
+        if not app_level and "showing" not in n.states:
+            return
+        count += 1
+        attrs = [f"name={quoteattr(n.name[:200])}"]
+        attrs.extend(f'st:{s}="true"' for s in STATES if s in n.states)
+        if n.extents is not None and not app_level:
+            x, y, w, h = n.extents
+            attrs.append(f'cp:screencoord="({x}, {y})" cp:size="({w}, {h})"')
+        if n.value is not None:
+            attrs.append(f'val:value="{n.value}"')
+        tag = _tag(n.role)
+        pad = "  " * depth
+        n_children = n.n_children
+        body: list[str] = []
+        if n.role in HUGE_TABLE_ROLES and n_children > 2000:
+            attrs.append(f'attr:children="{n_children}"')
+            cpad = "  " * (depth + 1)
+            for name, text in n.cells or ():
+                if text or count < max_nodes // 2:
+                    count += 1
+                    body.append(f"{cpad}<table-cell name={quoteattr(name)}>{escape(text)}</table-cell>")
+            n_children = 0
+        head = f"{pad}<{tag} {' '.join(attrs)}"
+        if not n_children and not body:
+            out.append(f"{head}>{escape(n.text)}</{tag}>" if n.text else f"{head}/>")
+            return
+        out.append(f"{head}>{escape(n.text)}")
+        out.extend(body)
+        for child in n.children[:min(n_children, 3000)]:
+            if child is not None:
+                node(child, depth + 1, False)
+        out.append(f"{pad}</{tag}>")
+
+    for app in apps:
+        node(app, 1, True)
+    out.append("</desktop-frame>")
+    return "\n".join(out)
+
+
+# A minimal D-Bus client over a unix socket ----------------------------------------------
+# PyGObject spends ~300 us of CPU per call building and unpacking GVariants; a walk asks
+# thousands of questions, so the walker speaks the wire protocol itself (little-endian
+# marshalling of the few signatures AT-SPI uses) and writes a whole round of calls before
+# reading the replies.
+
+_ALIGN = {"y": 1, "b": 4, "n": 2, "q": 2, "i": 4, "u": 4, "x": 8, "t": 8, "d": 8, "h": 4, "s": 4, "o": 4, "g": 1,
+          "a": 4, "(": 8, "{": 8, "v": 1}
+_FIXED = {"y": "B", "b": "I", "n": "h", "q": "H", "i": "i", "u": "I", "x": "q", "t": "Q", "d": "d", "h": "I"}
+
+
+def _one_type(sig: str, i: int) -> int:
+    """The index just past the single complete type starting at ``sig[i]``."""
+    c = sig[i]
+    if c == "a":
+        return _one_type(sig, i + 1)
+    if c in "({":
+        close = ")" if c == "(" else "}"
+        i += 1
+        while sig[i] != close:
+            i = _one_type(sig, i)
+        return i + 1
+    return i + 1
+
+
+class _Reader:
+    def __init__(self, buf: bytes, pos: int = 0):
+        self.buf, self.pos = buf, pos
+
+    def align(self, n: int) -> None:
+        self.pos += -self.pos % n
+
+    def read(self, sig: str) -> list:
+        out, i = [], 0
+        while i < len(sig):
+            j = _one_type(sig, i)
+            out.append(self.value(sig[i:j]))
+            i = j
+        return out
+
+    def value(self, t: str):
+        c = t[0]
+        self.align(_ALIGN[c])
+        buf = self.buf
+        if c in _FIXED:
+            fmt = _FIXED[c]
+            v = struct.unpack_from("<" + fmt, buf, self.pos)[0]
+            self.pos += struct.calcsize(fmt)
+            return bool(v) if c == "b" else v
+        if c in "so":
+            n = struct.unpack_from("<I", buf, self.pos)[0]
+            s = buf[self.pos + 4:self.pos + 4 + n].decode("utf-8", "replace")
+            self.pos += 5 + n
+            return s
+        if c == "g":
+            n = buf[self.pos]
+            s = buf[self.pos + 1:self.pos + 1 + n].decode()
+            self.pos += 2 + n
+            return s
+        if c == "v":
+            return self.value(self.value("g"))
+        if c == "a":
+            n = struct.unpack_from("<I", buf, self.pos)[0]
+            self.pos += 4
+            self.align(_ALIGN[t[1]])
+            end = self.pos + n
+            items = []
+            while self.pos < end:
+                items.append(self.value(t[1:]))
+            return items
+        return tuple(self.read(t[1:-1]))  # struct or dict entry
+
+
+class _Writer:
+    def __init__(self):
+        self.buf = bytearray()
+
+    def align(self, n: int) -> None:
+        self.buf += b"\0" * (-len(self.buf) % n)
+
+    def write(self, sig: str, values) -> None:
+        i = k = 0
+        while i < len(sig):
+            j = _one_type(sig, i)
+            self.value(sig[i:j], values[k])
+            i, k = j, k + 1
+
+    def value(self, t: str, v) -> None:
+        c = t[0]
+        self.align(_ALIGN[c])
+        if c in _FIXED:
+            self.buf += struct.pack("<" + _FIXED[c], v)
+        elif c in "so":
+            b = v.encode()
+            self.buf += struct.pack("<I", len(b)) + b + b"\0"
+        elif c == "g":
+            b = v.encode()
+            self.buf += bytes([len(b)]) + b + b"\0"
+        elif c == "v":
+            sig, inner = v
+            self.value("g", sig)
+            self.value(sig, inner)
+        elif c == "a":
+            self.buf += b"\0\0\0\0"
+            at = len(self.buf) - 4
+            self.align(_ALIGN[t[1]])
+            start = len(self.buf)
+            for item in v:
+                self.value(t[1:], item)
+            struct.pack_into("<I", self.buf, at, len(self.buf) - start)
+        else:
+            self.write(t[1:-1], v)
+
+
+class WireError(Exception):
+    """The connection failed (not one call: that is a :class:`CallFailed` in its slot)."""
+
+
+class Wire:
+    """One D-Bus connection (to a bus, or peer to peer to an app) that pipelines calls."""
+
+    def __init__(self, address: str, *, bus: bool, timeout: float = REPLY_TIMEOUT_S):
+        path = None
+        for part in address.split(";"):
+            kind, _, rest = part.partition(":")
+            if kind != "unix":
+                continue
+            kv = dict(p.split("=", 1) for p in rest.split(",") if "=" in p)
+            path = kv.get("path") or ("\0" + kv["abstract"] if "abstract" in kv else None)
+            if path:
+                break
+        if not path:
+            raise WireError(f"no unix socket in D-Bus address {address!r}")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.serial = 0
+        self.rbuf, self.rpos = b"", 0
+        # a bus refuses more than max_replies_per_connection (128 by default) pending calls
+        self.window = WINDOW if bus else 4096
+        try:
+            self.sock.connect(path)
+            self.sock.sendall(b"\0AUTH EXTERNAL " + str(os.getuid()).encode().hex().encode() + b"\r\n")
+            line = self._line()
+            if not line.startswith(b"OK"):
+                raise WireError(f"D-Bus authentication refused at {address}: {line!r}")
+            self.sock.sendall(b"BEGIN\r\n")
+            if bus:
+                self.call_many([("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "Hello",
+                                 "", ())])
+        except OSError as e:
+            self.sock.close()
+            raise WireError(f"D-Bus connection to {address}: {e}") from e
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _line(self) -> bytes:
+        buf = b""
+        while not buf.endswith(b"\r\n"):  # byte by byte: nothing past the line may be eaten
+            chunk = self.sock.recv(1)
+            if not chunk:
+                raise WireError("D-Bus peer closed the connection during authentication")
+            buf += chunk
+        return buf[:-2]
+
+    def _message(self, dest: str | None, path: str, iface: str, member: str, sig: str, args) -> bytes:
+        self.serial += 1
+        body = _Writer()
+        if sig:
+            body.write(sig, args)
+        fields = [(1, ("o", path)), (2, ("s", iface)), (3, ("s", member))]
+        if dest:
+            fields.append((6, ("s", dest)))
+        if sig:
+            fields.append((8, ("g", sig)))
+        head = _Writer()
+        head.buf += struct.pack("<cBBBII", b"l", 1, 0, 1, len(body.buf), self.serial)
+        head.value("a(yv)", fields)
+        head.align(8)
+        return bytes(head.buf + body.buf)
+
+    def call_many(self, calls: list[tuple]) -> list:
+        """``calls``: (destination or None, path, interface, member, signature, args); each
+        reply's values as a list, or a :class:`CallFailed`. A window of calls is written
+        before any reply is read."""
+        out: list = []
+        for at in range(0, len(calls), self.window):
+            out += self._window(calls[at:at + self.window])
+        return out
+
+    def _window(self, calls: list[tuple]) -> list:
+        first = self.serial + 1
+        try:
+            self.sock.sendall(b"".join(self._message(*c) for c in calls))
+            results: list = [None] * len(calls)
+            left = len(calls)
+            while left:
+                kind, reply_to, sig, error, body = self._read_message()
+                i = reply_to - first
+                if kind not in (2, 3) or not 0 <= i < len(calls):
+                    continue  # a signal, or a reply to nothing of this batch
+                if kind == 2:
+                    results[i] = _Reader(body).read(sig) if sig else []
+                else:
+                    results[i] = CallFailed(error, _Reader(body).read(sig)[0] if sig.startswith("s") else "")
+                left -= 1
+            return results
+        except (OSError, struct.error, IndexError, ValueError) as e:
+            raise WireError(f"D-Bus connection broke: {e}") from e
+
+    def _read_message(self) -> tuple[int, int, str, str, bytes]:
+        head = self._recv(16)
+        if head[:1] != b"l":
+            raise WireError("big-endian D-Bus messages are not read here")
+        kind = head[1]
+        body_len, fields_len = struct.unpack_from("<I", head, 4)[0], struct.unpack_from("<I", head, 12)[0]
+        rest = self._recv(fields_len + (-(16 + fields_len) % 8) + body_len)
+        reply_to, sig, error = 0, "", ""
+        for code, value in _Reader(head + rest[:fields_len], 12).value("a(yv)"):
+            if code == 5:
+                reply_to = value
+            elif code == 8:
+                sig = value
+            elif code == 4:
+                error = value
+        return kind, reply_to, sig, error, rest[len(rest) - body_len:]
+
+    def _recv(self, n: int) -> bytes:
+        while len(self.rbuf) - self.rpos < n:
+            chunk = self.sock.recv(max(65536, n))
+            if not chunk:
+                raise WireError("D-Bus peer closed the connection")
+            self.rbuf, self.rpos = self.rbuf[self.rpos:] + chunk, 0
+        out = self.rbuf[self.rpos:self.rpos + n]
+        self.rpos += n
+        return out
+
+
+class Pipeline:
+    """Calls to one application: (object path, interface, member, signature, args) each."""
+
+    def __init__(self, wire: Wire, dest: str | None):
+        self.wire = wire
+        self.dest = dest  # None on a peer-to-peer connection to the app
+        self.calls = 0
+
+    def run(self, calls: list[tuple[str, str, str, str, tuple]]) -> list:
+        self.calls += len(calls)
+        return self.wire.call_many([(self.dest, *c) for c in calls]) if calls else []
+
+
+def _ok(r) -> bool:
+    return not isinstance(r, CallFailed)
+
+
+class FastWalker:
+    """Fetch one application's tree level by level, each level's questions in one batch.
+
+    Per level: the states of every node (a node that is not showing is left out with its
+    subtree, as the old walker does, so nothing else is asked of it); then role, name, child
+    count and interfaces of the showing ones; then their extents, text, value and children.
+    """
+
+    def __init__(self, tables: dict, pipe: Pipeline):
+        self.roles: list[str] = tables["roles"]
+        self.extended_role: int = tables["extended"]
+        self.state_bits: dict[str, int] = tables["states"]
+        self.pipe = pipe
+
+    def fetch(self, root_path: str, deadline: float) -> Node:
+        """The app's tree under ``root_path``; levels not started by ``deadline`` are left out."""
+        root = Node((self.pipe.dest or "", root_path))
+        level = [(root, True)]
+        while level and time.monotonic() < deadline:
+            self._basics(level)
+            level = self._details(level)
+        return root
+
+    def _basics(self, level: list[tuple[Node, bool]]) -> None:
+        states = self.pipe.run([(n.ref[1], ACC, "GetState", "", ()) for n, _ in level])
+        showing_bit = self.state_bits["showing"]
+        wanted = []
+        for (n, app), st in zip(level, states, strict=True):
+            if not _ok(st):
+                n.ok = False
+                continue
+            words = st[0]
+            bits = sum(w << (32 * k) for k, w in enumerate(words))
+            n.states = frozenset(s for s, b in self.state_bits.items() if bits >> b & 1)
+            if app or bits >> showing_bit & 1:
+                wanted.append(n)
+            else:
+                n.ok = False  # not shown: left out, as the old walker does, whatever its role
+        calls = []
+        for n in wanted:
+            p = n.ref[1]
+            calls += [(p, ACC, "GetRole", "", ()), (p, PROPS, "Get", "ss", (ACC, "Name")),
+                      (p, PROPS, "Get", "ss", (ACC, "ChildCount")), (p, ACC, "GetInterfaces", "", ())]
+        res = self.pipe.run(calls)
+        extended = []
+        for i, n in enumerate(wanted):
+            role, name, count, ifaces = res[4 * i:4 * i + 4]
+            if not (_ok(role) and _ok(name)):
+                n.ok = False
+                continue
+            r = role[0]
+            if 0 <= r < len(self.roles) and r != self.extended_role:
+                n.role = self.roles[r]
+            else:  # libatspi asks the app for such a role's name, as here
+                extended.append(n)
+            n.name = name[0] or ""
+            n.n_children = count[0] if _ok(count) else 0
+            n.ifaces = frozenset(ifaces[0]) if _ok(ifaces) else frozenset()
+        names = self.pipe.run([(n.ref[1], ACC, "GetRoleName", "", ()) for n in extended])
+        for n, r in zip(extended, names, strict=True):
+            if _ok(r):
+                n.role = r[0]
+            else:
+                n.ok = False
+
+    def _details(self, level: list[tuple[Node, bool]]) -> list[tuple[Node, bool]]:
+        """Extents, text, value and children of the shown nodes of a level; the next level."""
+        calls, slots, tables = [], [], []
+        shown = [(n, app) for n, app in level if n.ok]
+        for n, app in shown:
+            p = n.ref[1]
+            if IFACE_COMPONENT in n.ifaces and not app:
+                calls.append((p, IFACE_COMPONENT, "GetExtents", "u", (0,)))
+                slots.append((n, "extents"))
+            if IFACE_TEXT in n.ifaces:
+                calls.append((p, PROPS, "Get", "ss", (IFACE_TEXT, "CharacterCount")))
+                slots.append((n, "count"))
+            if IFACE_VALUE in n.ifaces:
+                calls.append((p, PROPS, "Get", "ss", (IFACE_VALUE, "CurrentValue")))
+                slots.append((n, "value"))
+            if n.role in HUGE_TABLE_ROLES and n.n_children > 2000:
+                tables.append(n)
+            elif 0 < n.n_children <= 3000:
+                calls.append((p, ACC, "GetChildren", "", ()))
+                slots.append((n, "children"))
+            elif n.n_children > 3000:
+                calls += [(p, ACC, "GetChildAtIndex", "i", (i,)) for i in range(3000)]
+                slots += [(n, "child")] * 3000
+        res = self.pipe.run(calls)
+        texts = []
+        for (n, what), r in zip(slots, res, strict=True):
+            if what == "extents":
+                n.extents = tuple(r[0]) if _ok(r) else None
+            elif what == "count":
+                if _ok(r):
+                    texts.append((n, r[0]))
+            elif what == "value":
+                n.value = float(r[0]) if _ok(r) else None
+            elif what == "children":
+                n.children = [self._child(c) for c in r[0][:min(n.n_children, 3000)]] if _ok(r) else []
+            else:  # one child of a long list, in index order
+                n.children.append(self._child(r[0]) if _ok(r) else None)
+        got = self.pipe.run([(n.ref[1], IFACE_TEXT, "GetText", "ii", (0, min(c, MAX_TEXT))) for n, c in texts])
+        for (n, _), r in zip(texts, got, strict=True):
+            n.text = (r[0] or "") if _ok(r) else ""
+        for n in tables:
+            n.cells = self._visible_cells(n)
+        return [(c, False) for n, _ in shown for c in n.children if c is not None]
+
+    def _child(self, ref) -> Node | None:
+        return None if not ref or ref[1] == NULL_PATH else Node((ref[0], ref[1]))
+
+    def _visible_cells(self, table: Node) -> list[tuple[str, str]]:
+        """As :meth:`Dumper._visible_cells`: the cells inside the table's visible extents."""
+        run, p = self.pipe.run, table.ref[1]
+        if IFACE_TABLE not in table.ifaces or IFACE_COMPONENT not in table.ifaces or table.extents is None:
+            return []
+        x, y, w, h = table.extents
+        corners = run([(p, IFACE_COMPONENT, "GetAccessibleAtPoint", "iiu", (x + 2, y + 2, 0)),
+                       (p, IFACE_COMPONENT, "GetAccessibleAtPoint", "iiu", (x + w - 3, y + h - 3, 0))])
+        if not all(map(_ok, corners)) or any(c[0][1] == NULL_PATH for c in corners):
+            return []
+        idx = run([(c[0][1], ACC, "GetIndexInParent", "", ()) for c in corners])
+        if not all(map(_ok, idx)):
+            return []
+        rc = run([(p, IFACE_TABLE, m, "i", (i[0],)) for i in idx for m in ("GetRowAtIndex", "GetColumnAtIndex")])
+        if not all(map(_ok, rc)):
+            return []
+        (r0,), (c0,), (r1,), (c1,) = rc
+        grid = [(r, c) for r in range(r0, min(r1, r0 + 60) + 1) for c in range(c0, min(c1, c0 + 26) + 1)]
+        at = run([(p, IFACE_TABLE, "GetAccessibleAt", "ii", rc_) for rc_ in grid])
+        cells = [r[0][1] for r in at if _ok(r) and r[0][1] != NULL_PATH]
+        # name and whole text of each cell: two questions, not the old four (interfaces,
+        # character count, then the text): a cell without the text interface answers
+        # UnknownMethod, which the old walker's get_text_iface() == None amounts to
+        info = run([q for cp in cells for q in ((cp, PROPS, "Get", "ss", (ACC, "Name")),
+                                                (cp, IFACE_TEXT, "GetText", "ii", (0, -1)))])
+        out, long_texts = [], []
+        for i, cp in enumerate(cells):
+            name, text = info[2 * i:2 * i + 2]
+            if not _ok(name):
+                continue
+            if _ok(text) and len(text[0]) < MAX_TEXT:
+                out.append((name[0] or "", text[0]))
+            elif _ok(text):  # long: cut where the app counts characters, as the old walker asks
+                long_texts.append((len(out), cp))
+                out.append((name[0] or "", None))
+            elif text.name in NO_INTERFACE_ERRORS:
+                out.append((name[0] or "", ""))
+            else:
+                out.append(None)
+        counts = run([(cp, PROPS, "Get", "ss", (IFACE_TEXT, "CharacterCount")) for _, cp in long_texts])
+        cut = run([(cp, IFACE_TEXT, "GetText", "ii", (0, min(c[0] if _ok(c) else 0, MAX_TEXT)))
+                   for (_, cp), c in zip(long_texts, counts, strict=True)])
+        for (i, _), c, t in zip(long_texts, counts, cut, strict=True):
+            out[i] = (out[i][0], t[0]) if _ok(c) and _ok(t) else None
+        return [c for c in out if c is not None]
+
+
+def role_tables(cache: str | None) -> dict:
+    """libatspi's role names (by role number) and state bit numbers. Loading the Atspi
+    typelib costs a Python process 0.1-0.3 s, more than the rest of a fast dump, so the
+    tables are read from libatspi once and kept in ``cache`` (a JSON file) for later dumps."""
+    if cache:
+        try:
+            with open(cache) as f:
+                tables = json.load(f)
+            if isinstance(tables, dict) and {"roles", "extended", "states"} <= tables.keys():
+                return tables
+        except (OSError, ValueError):
+            pass
+    import gi
+
+    gi.require_version("Atspi", "2.0")
+    from gi.repository import Atspi
+
+    roles = [Atspi.role_get_name(Atspi.Role(r)) or "" for r in range(int(Atspi.Role.LAST_DEFINED))]
+    tables = {"roles": roles, "extended": int(Atspi.Role.EXTENDED),
+              "states": {s: int(st) for s, st in _state_types(Atspi).items()}}
+    if cache:
+        try:
+            tmp = f"{cache}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(tables, f)
+            os.replace(tmp, cache)
+        except OSError as e:
+            print(f"a11y: role table not cached at {cache}: {e}", file=sys.stderr)
+    return tables
+
+
+def _state_types(atspi) -> dict:
+    return {s: st for s in STATES if (st := getattr(atspi.StateType, s.upper().replace("-", "_"), None)) is not None}
+
+
+def _app_wire(bus: Wire, name: str, path: str) -> Pipeline:
+    """A peer-to-peer connection to the app where it offers one (as libatspi uses: no bus
+    daemon in between), else the app through the accessibility bus."""
+    addr = bus.call_many([(name, path, "org.a11y.atspi.Application", "GetApplicationBusAddress", "", ())])[0]
+    if _ok(addr) and addr[0]:
+        try:
+            return Pipeline(Wire(addr[0], bus=False), None)
+        except WireError as e:
+            print(f"a11y: {name}: no direct connection ({e}); through the bus", file=sys.stderr)
+    return Pipeline(bus, name)
+
+
+def dump_fast(max_nodes: int, seconds: float, tables_cache: str | None = None) -> str:
+    """The old walker's XML, fetched with batched D-Bus calls (see :class:`FastWalker`)."""
+    deadline = time.monotonic() + seconds
+    tables = role_tables(tables_cache)
+    session = Wire(os.environ["DBUS_SESSION_BUS_ADDRESS"], bus=True)
+    try:
+        addr = session.call_many([("org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus", "GetAddress", "", ())])[0]
+    finally:
+        session.close()
+    if not _ok(addr):
+        raise WireError(f"no accessibility bus: {addr}")
+    bus = Wire(addr[0], bus=True)
+    try:
+        apps = bus.call_many([("org.a11y.atspi.Registry", ROOT_PATH, ACC, "GetChildren", "", ())])[0]
+        if not _ok(apps):
+            raise WireError(f"the registry does not list applications: {apps}")
+        roots = []
+        for name, path in apps[0]:
+            if path == NULL_PATH:
+                continue
+            pipe = _app_wire(bus, name, path)
+            try:
+                roots.append(FastWalker(tables, pipe).fetch(path, deadline))
+            finally:
+                if pipe.wire is not bus:
+                    pipe.wire.close()
+        return build_xml(roots, max_nodes)
+    finally:
+        bus.close()
+
+
 def dump_x11() -> str:
     from Xlib import X, display
 
@@ -189,13 +800,25 @@ def dump_x11() -> str:
 
 
 def main() -> None:
-    max_nodes = int(sys.argv[sys.argv.index("--max-nodes") + 1]) if "--max-nodes" in sys.argv else 3000
-    seconds = float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 8.0
-    try:
-        text = dump_atspi(max_nodes, seconds)
-    except Exception as e:  # noqa: BLE001 - fall back to the window tree, and say so
-        print(f"a11y: AT-SPI unavailable ({type(e).__name__}: {e}); window tree instead", file=sys.stderr)
-        text = dump_x11()
+    parser = argparse.ArgumentParser(description="Dump the desktop's accessibility tree (AT-SPI) as XML.")
+    parser.add_argument("--max-nodes", type=int, default=3000)
+    parser.add_argument("--seconds", type=float, default=8.0, help="stop walking after this long")
+    parser.add_argument("--walker", choices=("fast", "old"), default="fast",
+                        help="fast: batched D-Bus calls (default); old: one libatspi call at a time")
+    args = parser.parse_args()
+    text = None
+    if args.walker == "fast":
+        cache = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "bunshin-a11y-tables.json")
+        try:
+            text = dump_fast(args.max_nodes, args.seconds, cache)
+        except (WireError, OSError, KeyError) as e:  # say so, and walk the old way
+            print(f"a11y: fast walker failed ({type(e).__name__}: {e}); old walker instead", file=sys.stderr)
+    if text is None:
+        try:
+            text = dump_atspi(args.max_nodes, args.seconds)
+        except Exception as e:  # noqa: BLE001 - fall back to the window tree, and say so
+            print(f"a11y: AT-SPI unavailable ({type(e).__name__}: {e}); window tree instead", file=sys.stderr)
+            text = dump_x11()
     sys.stdout.write(text)
 
 
