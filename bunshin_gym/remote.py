@@ -57,8 +57,9 @@ class _Connection:
         token = token or config.get("BUNSHIN_SERVE_TOKEN")
         if not token:
             raise RemoteError("a RemoteEnv needs a token: token=... or $BUNSHIN_SERVE_TOKEN")
+        # idle connections are dropped well before the server's keep-alive (75 s) closes them
         self.http = httpx.Client(base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"},
-                                 timeout=timeout)
+                                 timeout=timeout, limits=httpx.Limits(keepalive_expiry=30.0))
         self.users = 0
         self.lock = threading.Lock()
 
@@ -178,6 +179,46 @@ class RemoteEnv(gym.Env):
 
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.env_id} {self.remote_id} on {self.server}>"
+
+
+class RemoteGroup:
+    """A GRPO group run on the server (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`):
+    the task set up once, ``num_envs`` forked members, each member's calls served from the
+    owner's prefix cache on the server when ``prefix_cache=True`` (it persists across groups).
+
+    ``reset(options)`` gives the batched observation; ``step(actions)`` one action per member
+    (finished members are skipped, as locally); ``cache_stats`` the server cache's counters
+    after the last step.
+    """
+
+    def __init__(self, env_id: str, num_envs: int, server: str, *, token: str | None = None,
+                 prefix_cache: bool = False, timeout: float = 600.0, **kwargs: Any):
+        self._conn = _Connection(server, token, timeout)
+        self._conn.users = 1
+        try:
+            desc = self._conn.request("POST", "/envs/groups", {"env_id": env_id, "num_envs": num_envs,
+                                                                "kwargs": kwargs, "prefix_cache": prefix_cache})
+        except BaseException:
+            self._conn.release()
+            raise
+        self.remote_id, self.num_envs = desc["id"], desc["num_envs"]
+        self.cache_stats: dict | None = None
+
+    def reset(self, *, options: dict | None = None):
+        out = self._conn.request("POST", f"/envs/groups/{self.remote_id}/reset", {"options": options})
+        return out["observation"], out["info"]
+
+    def step(self, actions: list):
+        out = self._conn.request("POST", f"/envs/groups/{self.remote_id}/step", {"actions": list(actions)})
+        self.cache_stats = out["cache"]
+        return out["observation"], out["reward"], out["terminated"], out["truncated"], out["info"]
+
+    def close(self) -> None:
+        if self._conn.users:
+            try:
+                self._conn.request("DELETE", f"/envs/groups/{self.remote_id}")
+            finally:
+                self._conn.release()
 
 
 def _keepalive(ref: weakref.ref, stop: threading.Event, every: float) -> None:

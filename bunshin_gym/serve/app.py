@@ -37,6 +37,9 @@ from bunshin_gym.workspace.snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
+#: seconds the server keeps an idle client connection open
+KEEP_ALIVE_S = 75
+
 
 @dataclass
 class ServeConfig:
@@ -298,5 +301,7 @@ def run(config: ServeConfig, *, log_level: str = "info", close_on_exit: bool = F
     import uvicorn
 
     app = create_app(config, close_on_shutdown=close_on_exit)
+    # keep-alive: longer than clients keep idle connections (httpx 5 s, RemoteEnv 30 s), so a
+    # client never sends a request on a connection the server is closing at that moment
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,23 @@ class EnvLease(Lease):
             env.close()
 
 
-def frame(value: Any) -> Response:
-    return Response(content=codec.encode(value), media_type=codec.MEDIA_TYPE)
+@dataclass
+class GroupLease(Lease):
+    """A GRPO group (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`) run on the server,
+    its members' calls served from the owner's prefix cache when asked."""
+
+    env_id: str = ""
+    group: Any = None
+
+    def reclaim(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
+def frame(data: bytes) -> Response:
+    """An answer holding an encoded frame (:func:`bunshin_gym.serve.codec.encode`)."""
+    return Response(content=data, media_type=codec.MEDIA_TYPE)
 
 
 async def _json(request: Request) -> dict:
@@ -66,6 +82,7 @@ async def _json(request: Request) -> dict:
 def router(service) -> APIRouter:
     r = APIRouter(prefix="/envs")
     registry: Registry = service.registry
+    registry_lock = threading.Lock()
     auth = Depends(service.principal)
 
     def _lease(env_id: str, who: Principal) -> EnvLease:
@@ -122,7 +139,8 @@ def router(service) -> APIRouter:
 
     @r.get("")
     async def list_envs(who: Principal = auth) -> JSONResponse:
-        return JSONResponse([{"id": x.id, "env_id": x.env_id} for x in registry.list(who, kind=EnvLease)])
+        return JSONResponse([{"id": x.id, "env_id": x.env_id, "kind": "env" if isinstance(x, EnvLease) else "group"}
+                             for x in registry.list(who) if isinstance(x, (EnvLease, GroupLease))])
 
     def _locked(lease: EnvLease, fn, *args):
         with lease.lock:
@@ -137,9 +155,11 @@ def router(service) -> APIRouter:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ServeError(f"seed must be an integer, got {seed!r}", 400)
-        obs, info = await asyncio.to_thread(_locked, lease, lambda: lease.env.reset(seed=seed,
-                                                                                    options=body.get("options")))
-        return frame({"observation": obs, "info": info})
+        def work() -> bytes:
+            obs, info = _locked(lease, lambda: lease.env.reset(seed=seed, options=body.get("options")))
+            return codec.encode({"observation": obs, "info": info})
+
+        return frame(await asyncio.to_thread(work))
 
     @r.post("/{env_id}/step")
     async def step(env_id: str, request: Request, who: Principal = auth) -> Response:
@@ -147,11 +167,14 @@ def router(service) -> APIRouter:
         body = await _json(request)
         if "action" not in body:
             raise ServeError("the body needs an action", 400)
-        obs, reward, terminated, truncated, info = await asyncio.to_thread(
-            _locked, lease, lease.env.step, body["action"])
-        return frame({"observation": obs, "reward": float(reward), "terminated": bool(terminated),
-                      "truncated": bool(truncated), "info": info,
-                      "timing": getattr(lease.env, "last_step_timing", {})})
+        def work() -> bytes:
+            # the frame is encoded here too: compressing a screenshot must not hold the event loop
+            obs, reward, terminated, truncated, info = _locked(lease, lease.env.step, body["action"])
+            return codec.encode({"observation": obs, "reward": float(reward), "terminated": bool(terminated),
+                                 "truncated": bool(truncated), "info": info,
+                                 "timing": getattr(lease.env, "last_step_timing", {})})
+
+        return frame(await asyncio.to_thread(work))
 
     def _clone(lease: EnvLease, n: int, lazy: bool) -> list[EnvLease]:
         who = lease.owner
@@ -193,8 +216,85 @@ def router(service) -> APIRouter:
             snap = lease.snapshots.get(snap_id)
             if snap is None:
                 raise NotFound(f"no snapshot {snap_id!r} of env {env_id} or its clones")
-        obs = await asyncio.to_thread(_locked, lease, lambda: lease.env.rollback(snap))
-        return frame({"observation": obs, "steps": lease.env.unwrapped.steps})
+        def work() -> bytes:
+            obs = _locked(lease, lambda: lease.env.rollback(snap))
+            return codec.encode({"observation": obs, "steps": lease.env.unwrapped.steps})
+
+        return frame(await asyncio.to_thread(work))
+
+    # groups ------------------------------------------------------------------------------
+    caches: dict[str, Any] = {}  # owner -> PrefixCache: shared by an owner's groups, across epochs
+
+    def _cache(who: Principal):
+        from bunshin_gym.rollout import PrefixCache
+
+        with registry_lock:
+            if who.name not in caches:
+                caches[who.name] = PrefixCache(service.config.state_path / "prefix-cache" / who.name)
+            return caches[who.name]
+
+    def _make_group(who: Principal, body: dict) -> GroupLease:
+        from bunshin_gym.rollout.group import GroupVectorEnv
+
+        env_name, kwargs = body.get("env_id"), body.get("kwargs") or {}
+        if env_name not in ENVS:
+            raise NotFound(f"unknown env {env_name!r}; known: {', '.join(sorted(ENVS))}")
+        if not isinstance(kwargs, dict) or FORBIDDEN_KWARGS & set(kwargs):
+            raise ServeError(f"kwargs must be an object without {sorted(FORBIDDEN_KWARGS)}", 400)
+        n = body.get("num_envs")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
+            raise ServeError(f"num_envs must be an integer from 1 to 256, got {n!r}", 400)
+        memory = Limits.parse(kwargs.get("limits")).memory
+        registry.reserve(who, n + 1, (n + 1) * memory)
+        try:
+            cache = _cache(who) if body.get("prefix_cache") else None
+            group = GroupVectorEnv(env_name, n, cache=cache, **kwargs)
+        except TypeError as e:
+            registry.unreserve(who, n + 1, (n + 1) * memory)
+            raise ServeError(f"{env_name}: {e}", 400) from None
+        except BaseException:
+            registry.unreserve(who, n + 1, (n + 1) * memory)
+            raise
+        lease = GroupLease(id=f"grp-{secrets.token_hex(8)}", owner=who, end_at=time.time() + service.config.env_ttl
+                           if service.config.env_ttl else None, idle_timeout=service.config.idle_timeout,
+                           workspaces=n + 1, memory=(n + 1) * memory, env_id=env_name, group=group)
+        return registry.add(lease)
+
+    @r.post("/groups", status_code=201)
+    async def make_group(request: Request, who: Principal = auth) -> JSONResponse:
+        lease = await asyncio.to_thread(_make_group, who, await _json(request))
+        return JSONResponse({"id": lease.id, "env_id": lease.env_id, "num_envs": lease.group.num_envs,
+                             "idle_timeout": lease.idle_timeout}, status_code=201)
+
+    @r.post("/groups/{group_id}/reset")
+    async def group_reset(group_id: str, request: Request, who: Principal = auth) -> Response:
+        lease = registry.get(group_id, who, kind=GroupLease)
+        body = await _json(request)
+        def work() -> bytes:
+            obs, info = _locked(lease, lambda: lease.group.reset(options=body.get("options")))
+            return codec.encode({"observation": obs, "info": info})
+
+        return frame(await asyncio.to_thread(work))
+
+    @r.post("/groups/{group_id}/step")
+    async def group_step(group_id: str, request: Request, who: Principal = auth) -> Response:
+        lease = registry.get(group_id, who, kind=GroupLease)
+        actions = (await _json(request)).get("actions")
+        if not isinstance(actions, list) or len(actions) != lease.group.num_envs:
+            raise ServeError(f"actions must be a list of {lease.group.num_envs} actions", 400)
+        def work() -> bytes:
+            obs, rewards, terms, truncs, infos = _locked(lease, lease.group.step, actions)
+            cache = lease.group.cache
+            return codec.encode({"observation": obs, "reward": rewards, "terminated": terms, "truncated": truncs,
+                                 "info": infos, "cache": vars(cache.stats) if cache is not None else None})
+
+        return frame(await asyncio.to_thread(work))
+
+    @r.delete("/groups/{group_id}", status_code=204)
+    async def close_group(group_id: str, who: Principal = auth) -> Response:
+        registry.get(group_id, who, kind=GroupLease)
+        await asyncio.to_thread(registry.close, group_id, why="closed by its owner")
+        return Response(status_code=204)
 
     @r.post("/{env_id}/keepalive", status_code=204)
     async def keepalive(env_id: str, who: Principal = auth) -> Response:

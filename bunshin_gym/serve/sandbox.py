@@ -186,6 +186,11 @@ class Sandbox(Lease):
         if snap is not None:
             snap.release()
 
+    def expiry(self, now_wall: float, now_mono: float) -> str | None:
+        if self.ws is None:
+            return None  # paused: it holds no workspace, only its snapshot, until resumed or killed
+        return super().expiry(now_wall, now_mono)
+
     def on_expiry(self, registry: Registry, why: str) -> None:
         if self.auto_pause and self.ws is not None and self.end_at is not None and time.time() >= self.end_at:
             pause(self, registry)
@@ -242,7 +247,12 @@ class Sandbox(Lease):
             if c.exit_code is None:
                 self.poll(c, 0, 0)
             if c.exit_code is None:
-                out.append(c)
+                with self.lock:
+                    gone = _read_optional(self.workspace(), f"{c.dir}/pid") is None
+                if gone:  # its directory was removed (from inside): it is not ours to list
+                    c.exit_code = -1
+                else:
+                    out.append(c)
         return out
 
     def signal(self, command: Command, sig: str) -> None:

@@ -204,3 +204,17 @@ def test_errors_are_clear_statuses(server, opts):
             assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
             assert r.text  # a message, not an empty answer
         assert c.get("/health").status_code == 204  # still serving
+
+
+def test_timeout_pauses_when_asked(server, opts):
+    sb = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "pause"}, **opts)
+    try:
+        sb.files.write("/tmp/kept", "yes")
+        deadline = time.monotonic() + 30
+        while Sandbox.list(**opts).next_items()[0].state.value != "paused":
+            assert time.monotonic() < deadline, "the timeout did not pause the sandbox"
+            time.sleep(0.5)
+        sb.connect()
+        assert sb.files.read("/tmp/kept") == "yes"
+    finally:
+        sb.kill()
