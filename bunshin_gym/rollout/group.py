@@ -30,6 +30,7 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 
 from bunshin_gym.core.env import printable
+from bunshin_gym.rollout.signature import signature
 
 Policy = Callable[[int, Any, list], Any]
 log = logging.getLogger(__name__)
@@ -221,8 +222,6 @@ class GroupVectorEnv(VectorEnv):
         obs, reward, term, trunc, info = result
         env = self.members[i] if i < len(self.members) else None
         try:
-            from bunshin_gym.rollout.signature import signature
-
             sig = signature(action, env) if env is not None and action is not None else None
         except Exception:  # noqa: BLE001 - an action the signature cannot parse is logged by its text
             sig = None

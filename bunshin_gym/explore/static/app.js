@@ -103,7 +103,7 @@ async function openGroup(gid) {
   const g = t.group;
   const head = $("#tree-head");
   head.innerHTML = "";
-  head.append(el("b", { text: g.task }), el("span", { class: "g-epoch", text: g.epoch + "  " }),
+  head.append(el("b", { text: g.task }), el("span", { class: "g-epoch", text: `${g.epoch}, group ${g.group}  ` }),
     el("span", { id: "tree-nodes", "data-count": t.nodes, text: `${t.nodes} nodes, ` }),
     el("span", { id: "tree-hits", "data-count": t.hits, text: `${t.hits} cache hits, ` }),
     el("span", { text: `${t.served.speculation || 0} from speculation, ${t.served.executed || 0} executed; ${t.divergences.length} divergence points; rewards ` }),
@@ -197,6 +197,7 @@ async function showStep(n, member) {
       el("span", { text: `policy ${fmt(s.think_s, 3)} s` }),
       el("span", { text: `reward ${fmt(s.reward, 2)}` }),
       el("span", { text: s.terminated ? "terminated" : s.truncated ? "truncated" : "" }),
+      s.episode ? el("span", { class: "g-epoch", text: `episode ${s.episode}` }) : null,
       s.error ? el("span", { class: "error", text: s.error }) : null),
     obsView(s.obs, s.text, s.marks));
 }
