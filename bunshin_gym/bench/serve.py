@@ -2,6 +2,7 @@
 
 - shell step latency: the same shell env and action (``true``) in-process and as a
   RemoteEnv over loopback, rounds interleaved; the goal is at most 5 ms added at the median;
+  the round trip of an authenticated no-op request is measured too (what HTTP costs here);
 - desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot) in both
   ways; the goal is a remote median at most 1.2x the in-process one;
 - fork of 16: ``Sandbox.fork(count=16)`` through the E2B SDK against ``snapshot().fork(16)``
@@ -99,10 +100,16 @@ def shell_step(server: _Server, steps: int, rounds: int) -> dict:
         local.reset(options={"task": SHELL_TASK})
         remote.reset(options={"task": SHELL_TASK})
         loc, rem = _interleaved(local, remote, ["true"] * steps, rounds)
+        # the HTTP round trip alone (an authenticated no-op request), for what the host gives
+        floor = []
+        for _ in range(steps * rounds):
+            t0 = time.perf_counter()
+            remote._call("POST", "keepalive")
+            floor.append(time.perf_counter() - t0)
     finally:
         local.close()
         remote.close()
-    out = {"in_process": summary(loc), "remote": summary(rem)}
+    out = {"in_process": summary(loc), "remote": summary(rem), "http_round_trip": summary(floor)}
     out["added_median_ms"] = round(out["remote"]["median_ms"] - out["in_process"]["median_ms"], 3)
     out["goal_added_median_ms"] = 5.0
     return out

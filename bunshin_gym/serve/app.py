@@ -84,8 +84,9 @@ class Service:
         self._loading = False
 
     # auth ------------------------------------------------------------------------------
-    def principal(self, request: Request) -> Principal:
-        """FastAPI dependency: the caller's principal, or 401."""
+    async def principal(self, request: Request) -> Principal:
+        """FastAPI dependency: the caller's principal, or 401 (async: FastAPI runs a plain
+        function dependency in a thread, one more hop per request)."""
         who = self.tokens.authenticate(token_from_headers(request.headers))
         if who is None:
             raise ServeError("missing or unknown API key (send X-API-KEY or Authorization: Bearer)", 401)
