@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import threading
 import time
@@ -29,7 +30,18 @@ from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError
 log = logging.getLogger(__name__)
 
 #: keyword arguments a client may not pass: they would run code or reach files on the server
-FORBIDDEN_KWARGS = {"server", "workspace_factory", "cache", "speculation", "cache_dir"}
+FORBIDDEN_KWARGS = {"server", "workspace_factory", "cache", "speculation", "cache_dir", "step_log",
+                    "member_wrappers"}
+#: a task named by a client: a shipped task id (a path would make the server read its files)
+TASK_ID = re.compile(r"[a-z][a-z0-9_]*/[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_task(spec: Any) -> None:
+    """A task given through the API is a shipped task's id or a task dict, never a path."""
+    if spec is None or isinstance(spec, dict):
+        return
+    if not isinstance(spec, str) or not TASK_ID.fullmatch(spec) or ".." in spec or spec.endswith(".json"):
+        raise ServeError(f"task {spec!r}: give a shipped task id (family/name) or a task object", 400)
 
 
 @dataclass
@@ -113,6 +125,7 @@ def router(service) -> APIRouter:
         bad = FORBIDDEN_KWARGS & set(kwargs)
         if bad:
             raise ServeError(f"kwargs {sorted(bad)} cannot be set through the server", 400)
+        check_task(kwargs.get("task"))
         ttl = body.get("ttl", service.config.env_ttl)
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl < 0):
             raise ServeError(f"ttl must be a number of seconds, got {ttl!r}", 400)
@@ -152,6 +165,10 @@ def router(service) -> APIRouter:
     async def reset(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
         body = await _json(request)
+        options = body.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise ServeError("options must be an object", 400)
+        check_task((options or {}).get("task"))
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ServeError(f"seed must be an integer, got {seed!r}", 400)
@@ -241,6 +258,7 @@ def router(service) -> APIRouter:
             raise NotFound(f"unknown env {env_name!r}; known: {', '.join(sorted(ENVS))}")
         if not isinstance(kwargs, dict) or FORBIDDEN_KWARGS & set(kwargs):
             raise ServeError(f"kwargs must be an object without {sorted(FORBIDDEN_KWARGS)}", 400)
+        check_task(kwargs.get("task"))
         n = body.get("num_envs")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ServeError(f"num_envs must be an integer from 1 to 256, got {n!r}", 400)

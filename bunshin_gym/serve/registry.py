@@ -98,6 +98,9 @@ class Registry:
     def reserve(self, owner: Principal, workspaces: int, memory: int) -> None:
         """Count ``workspaces`` and ``memory`` against ``owner``'s quota, or raise
         :class:`QuotaExceeded` (nothing counted then)."""
+        if owner.max_memory and workspaces and memory <= 0:
+            raise QuotaExceeded(f"quota: {owner.name} has a memory quota, so its workspaces need a memory "
+                                "limit (limits={'memory': ...}), not an unlimited one")
         with self._lock:
             used = self._usage.setdefault(owner.name, [0, 0])
             if owner.max_workspaces and used[0] + workspaces > owner.max_workspaces:

@@ -83,6 +83,9 @@ def test_bad_requests_get_clear_errors_and_leave_nothing(server, opts):
         RemoteEnv("Bunshin-Shell-v0", server.url, token="not-a-token-000")
     with pytest.raises(RemoteError, match="cannot be set through the server"):
         RemoteEnv("Bunshin-Shell-v0", server.url, token=ALICE, workspace_factory="x")
+    for path in ("/etc/passwd.json", "shell/../../../../etc/x", "x.json", "/root/.ssh/id_rsa"):
+        with pytest.raises(RemoteError, match="400: task .*give a shipped task id"):  # no server files read
+            RemoteEnv("Bunshin-Shell-v0", server.url, token=ALICE, task=path)
     with pytest.raises(RemoteError, match="400: Bunshin-Shell-v0: .*unexpected keyword"):
         RemoteEnv("Bunshin-Shell-v0", server.url, token=ALICE, no_such_option=1)
     env = RemoteEnv("Bunshin-Shell-v0", server.url, token=BOB, task=TASK)
@@ -100,6 +103,8 @@ def test_bad_requests_get_clear_errors_and_leave_nothing(server, opts):
                 assert r.status_code == 400 and json.loads(r.text)["message"], r.text
             assert c.post(f"/envs/{env.remote_id}/clone", json={"n": 0}).status_code == 400
             assert c.post(f"/envs/{env.remote_id}/reset", json={"seed": "x"}).status_code == 400
+        with pytest.raises(RemoteError, match="400: task '/etc/hostname'"):
+            env.reset(options={"task": "/etc/hostname"})
         # a malformed action is the env's business: an error in info, the episode goes on
         obs, reward, terminated, truncated, info = env.step("bad\0action")
         assert "error" in info and not terminated
