@@ -345,10 +345,16 @@ class OSWorldEnv(WorkspaceEnv):
             self._x.close()
             raise ChannelError(f"{self.workspace.id}: the X display at {path}: {e}") from e
 
-    def accessibility_tree(self) -> str:
-        """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer)."""
-        res = self.workspace.exec(["python3", f"{desktop.OPT}/a11y_dump.py"], user=desktop.USER,
-                                  env=desktop.DESKTOP_ENV, timeout=30)
+    def accessibility_tree(self, walker: str = "fast", seconds: float = 8.0) -> str:
+        """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer).
+
+        ``walker``: "fast" (batched D-Bus calls) or "old" (one libatspi call at a time; the
+        same XML, kept for comparison); ``seconds``: the walk stops after this long."""
+        if walker not in ("fast", "old"):
+            raise ValueError(f"walker must be 'fast' or 'old', not {walker!r}")
+        res = self.workspace.exec(["python3", f"{desktop.OPT}/a11y_dump.py", "--walker", walker,
+                                   "--seconds", str(float(seconds))], user=desktop.USER,
+                                  env=desktop.DESKTOP_ENV, timeout=max(30.0, seconds + 20))
         return res.text
 
     def terminal_output(self) -> str:

@@ -544,11 +544,14 @@ class FastWalker:
     count and interfaces of the showing ones; then their extents, text, value and children.
     """
 
-    def __init__(self, tables: dict, pipe: Pipeline):
+    def __init__(self, tables: dict, pipe: Pipeline, cells: dict[str, str] | None = None):
         self.roles: list[str] = tables["roles"]
         self.extended_role: int = tables["extended"]
         self.state_bits: dict[str, int] = tables["states"]
+        self.defunct_bit: int = tables["defunct"]
         self.pipe = pipe
+        #: "table path row,column" -> cell path, from the last dump (see _cell_paths)
+        self.cells: dict[str, str] = cells if cells is not None else {}
 
     def fetch(self, root_path: str, deadline: float) -> Node:
         """The app's tree under ``root_path``; levels not started by ``deadline`` are left out."""
@@ -666,8 +669,7 @@ class FastWalker:
             return []
         (r0,), (c0,), (r1,), (c1,) = rc
         grid = [(r, c) for r in range(r0, min(r1, r0 + 60) + 1) for c in range(c0, min(c1, c0 + 26) + 1)]
-        at = run([(p, IFACE_TABLE, "GetAccessibleAt", "ii", rc_) for rc_ in grid])
-        cells = [r[0][1] for r in at if _ok(r) and r[0][1] != NULL_PATH]
+        cells = self._cell_paths(p, grid)
         # name and whole text of each cell: two questions, not the old four (interfaces,
         # character count, then the text): a cell without the text interface answers
         # UnknownMethod, which the old walker's get_text_iface() == None amounts to
@@ -695,6 +697,29 @@ class FastWalker:
         return [c for c in out if c is not None]
 
 
+    def _cell_paths(self, table: str, grid: list[tuple[int, int]]) -> list[str]:
+        """The cell objects at ``grid``, in order. Calc makes a new accessible object for each
+        GetAccessibleAt and never frees it (6.6-7.1 MB more private memory in soffice per
+        Calc dump, the old walker's too), so the objects of the last dump are asked again
+        where they are still alive (not defunct: a path names one object, and a Calc cell
+        object one cell, for the app's lifetime); only the others are made anew."""
+        run = self.pipe.run
+        keys = [f"{table} {r},{c}" for r, c in grid]
+        known = [(k, self.cells[k]) for k in keys if k in self.cells]
+        states = run([(path, ACC, "GetState", "", ()) for _, path in known])
+        alive = {k: path for (k, path), st in zip(known, states, strict=True)
+                 if _ok(st) and not sum(w << (32 * i) for i, w in enumerate(st[0])) >> self.defunct_bit & 1}
+        fresh = [(k, rc) for k, rc in zip(keys, grid, strict=True) if k not in alive]
+        at = run([(table, IFACE_TABLE, "GetAccessibleAt", "ii", rc) for _, rc in fresh])
+        for (k, _), r in zip(fresh, at, strict=True):
+            if _ok(r) and r[0][1] != NULL_PATH:
+                alive[k] = r[0][1]
+        for k in [k for k in self.cells if k.startswith(f"{table} ")]:
+            del self.cells[k]  # only this view's cells are kept: the file stays small
+        self.cells.update(alive)
+        return [alive[k] for k in keys if k in alive]
+
+
 def role_tables(cache: str | None) -> dict:
     """libatspi's role names (by role number) and state bit numbers. Loading the Atspi
     typelib costs a Python process 0.1-0.3 s, more than the rest of a fast dump, so the
@@ -703,7 +728,7 @@ def role_tables(cache: str | None) -> dict:
         try:
             with open(cache) as f:
                 tables = json.load(f)
-            if isinstance(tables, dict) and {"roles", "extended", "states"} <= tables.keys():
+            if isinstance(tables, dict) and {"roles", "extended", "states", "defunct"} <= tables.keys():
                 return tables
         except (OSError, ValueError):
             pass
@@ -713,7 +738,7 @@ def role_tables(cache: str | None) -> dict:
     from gi.repository import Atspi
 
     roles = [Atspi.role_get_name(Atspi.Role(r)) or "" for r in range(int(Atspi.Role.LAST_DEFINED))]
-    tables = {"roles": roles, "extended": int(Atspi.Role.EXTENDED),
+    tables = {"roles": roles, "extended": int(Atspi.Role.EXTENDED), "defunct": int(Atspi.StateType.DEFUNCT),
               "states": {s: int(st) for s, st in _state_types(Atspi).items()}}
     if cache:
         try:
@@ -730,22 +755,51 @@ def _state_types(atspi) -> dict:
     return {s: st for s in STATES if (st := getattr(atspi.StateType, s.upper().replace("-", "_"), None)) is not None}
 
 
-def _app_wire(bus: Wire, name: str, path: str) -> Pipeline:
+def _app_wire(bus: Wire, name: str, path: str) -> tuple[Pipeline, str]:
     """A peer-to-peer connection to the app where it offers one (as libatspi uses: no bus
-    daemon in between), else the app through the accessibility bus."""
+    daemon in between), else the app through the accessibility bus; and a key naming this
+    app process (its direct address or its bus name: neither is reused by another)."""
     addr = bus.call_many([(name, path, "org.a11y.atspi.Application", "GetApplicationBusAddress", "", ())])[0]
     if _ok(addr) and addr[0]:
         try:
-            return Pipeline(Wire(addr[0], bus=False), None)
+            return Pipeline(Wire(addr[0], bus=False), None), addr[0]
         except WireError as e:
             print(f"a11y: {name}: no direct connection ({e}); through the bus", file=sys.stderr)
-    return Pipeline(bus, name)
+    return Pipeline(bus, name), name
 
 
-def dump_fast(max_nodes: int, seconds: float, tables_cache: str | None = None) -> str:
-    """The old walker's XML, fetched with batched D-Bus calls (see :class:`FastWalker`)."""
+def _load_json(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_json(path: str | None, data: dict) -> None:
+    if not path:
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"a11y: could not write {path}: {e}", file=sys.stderr)
+
+
+def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None) -> str:
+    """The old walker's XML, fetched with batched D-Bus calls (see :class:`FastWalker`).
+    ``state_dir``: where libatspi's role table and the cell objects of the last dump are
+    kept between dumps (None: nothing kept)."""
     deadline = time.monotonic() + seconds
-    tables = role_tables(tables_cache)
+    tables = role_tables(os.path.join(state_dir, "bunshin-a11y-tables.json") if state_dir else None)
+    cells_file = os.path.join(state_dir, "bunshin-a11y-cells.json") if state_dir else None
+    known_cells = _load_json(cells_file)
+    kept_cells: dict[str, dict] = {}
     session = Wire(os.environ["DBUS_SESSION_BUS_ADDRESS"], bus=True)
     try:
         addr = session.call_many([("org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus", "GetAddress", "", ())])[0]
@@ -762,12 +816,17 @@ def dump_fast(max_nodes: int, seconds: float, tables_cache: str | None = None) -
         for name, path in apps[0]:
             if path == NULL_PATH:
                 continue
-            pipe = _app_wire(bus, name, path)
+            pipe, app_key = _app_wire(bus, name, path)
+            walker = FastWalker(tables, pipe, dict(known_cells.get(app_key, {})))
             try:
-                roots.append(FastWalker(tables, pipe).fetch(path, deadline))
+                roots.append(walker.fetch(path, deadline))
             finally:
                 if pipe.wire is not bus:
                     pipe.wire.close()
+            if walker.cells:
+                kept_cells[app_key] = walker.cells
+        if kept_cells != known_cells:
+            _save_json(cells_file, kept_cells)  # apps gone since are dropped
         return build_xml(roots, max_nodes)
     finally:
         bus.close()
@@ -808,9 +867,8 @@ def main() -> None:
     args = parser.parse_args()
     text = None
     if args.walker == "fast":
-        cache = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "bunshin-a11y-tables.json")
         try:
-            text = dump_fast(args.max_nodes, args.seconds, cache)
+            text = dump_fast(args.max_nodes, args.seconds, os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
         except (WireError, OSError, KeyError) as e:  # say so, and walk the old way
             print(f"a11y: fast walker failed ({type(e).__name__}: {e}); old walker instead", file=sys.stderr)
     if text is None:

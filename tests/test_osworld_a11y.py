@@ -1,0 +1,174 @@
+"""The desktop's accessibility tree: the fast walker (batched D-Bus calls) against the old
+libatspi walker, node for node on live desktops, and the XML building from fetched nodes.
+
+``envs/osworld/runtime/a11y_dump.py`` runs inside the workspace with the system python; it
+imports only the standard library at module level (gi only on the old path), so it is
+loaded here from its file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+import bunshin_gym  # noqa: F401 - registers the envs
+
+DUMP = Path(__file__).resolve().parents[1] / "envs" / "osworld" / "runtime" / "a11y_dump.py"
+_spec = importlib.util.spec_from_file_location("a11y_dump", DUMP)
+a11y = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(a11y)
+Node = a11y.Node
+
+SHOWN = frozenset({"enabled", "visible", "showing"})
+
+
+def app(*children, name="app", n_children=None, states=frozenset()):
+    return Node(role="application", name=name, states=states, children=list(children),
+                n_children=len(children) if n_children is None else n_children)
+
+
+def lines(xml: str) -> list[str]:
+    out = xml.split("\n")
+    assert out[0].startswith("<desktop-frame ") and out[-1] == "</desktop-frame>"
+    return out[1:-1]
+
+
+# XML building ------------------------------------------------------------------------------
+def test_hidden_nodes_are_left_out_with_their_subtree_but_apps_are_not():
+    hidden = Node(role="menu item", name="Open", states=frozenset({"enabled"}), n_children=1,
+                  children=[Node(role="label", name="deep", states=SHOWN)])
+    button = Node(role="push button", name="OK", states=SHOWN | {"focused"}, extents=(10, 20, 30, 40))
+    xml = a11y.build_xml([app(hidden, button)])
+    assert lines(xml) == [
+        '  <application name="app">',
+        '    <push-button name="OK" st:focused="true" st:enabled="true" st:visible="true" st:showing="true" '
+        'cp:screencoord="(10, 20)" cp:size="(30, 40)"/>',
+        "  </application>",
+    ]
+    assert "deep" not in xml and "Open" not in xml
+
+
+def test_text_value_escaping_and_name_cut():
+    long_name = "n" * 250
+    entry = Node(role="text", name=long_name, states=SHOWN | {"editable", "single-line"}, text="a < b & c",
+                 extents=(0, 0, 5, 5))
+    slider = Node(role="slider", name='say "hi"', states=SHOWN, value=0.5)
+    out = lines(a11y.build_xml([app(entry, slider)]))
+    assert out[1] == (f'    <text name="{"n" * 200}" st:editable="true" st:enabled="true" st:visible="true" '
+                      'st:showing="true" st:single-line="true" cp:screencoord="(0, 0)" cp:size="(5, 5)">'
+                      "a &lt; b &amp; c</text>")
+    assert out[2] == ('    <slider name=\'say "hi"\' st:enabled="true" st:visible="true" st:showing="true" '
+                      'val:value="0.5"/>')
+
+
+def test_unreadable_nodes_and_missing_children_are_skipped_and_children_beyond_the_count_ignored():
+    bad = Node(ok=False, role="label", name="gone", states=SHOWN)
+    kept = Node(role="label", name="kept", states=SHOWN)
+    extra = Node(role="label", name="extra", states=SHOWN)
+    panel = Node(role="panel", states=SHOWN, n_children=3, children=[bad, None, kept, extra])
+    out = lines(a11y.build_xml([app(panel)]))
+    assert [x.strip().split(" ")[0] for x in out] == ["<application", "<panel", "<label", "</panel>",
+                                                      "</application>"]
+    assert 'name="kept"' in out[2]
+
+
+def test_a_parent_with_children_none_showing_is_open_and_closed():
+    menu = Node(role="menu", name="File", states=SHOWN, n_children=1,
+                children=[Node(role="menu item", name="New", states=frozenset({"enabled"}))])
+    out = lines(a11y.build_xml([app(menu)]))
+    assert out[1].endswith(">") and not out[1].endswith("/>") and out[2] == "    </menu>"
+
+
+def test_huge_table_cells_and_the_node_limit():
+    cells = [(f"A{i}", "x" if i % 2 else "") for i in range(10)]
+    table = Node(role="table", name="Sheet1", states=SHOWN, n_children=2**31 - 1, cells=cells)
+    out = lines(a11y.build_xml([app(table)], max_nodes=10))
+    # 2 nodes counted (app, table), then cells while the count is under max_nodes // 2 = 5,
+    # after that only cells with text, up to nothing: the limit is not checked for cells
+    assert 'attr:children="2147483647"' in out[1]
+    names = [x.split('"')[1] for x in out if "<table-cell" in x]
+    assert names == ["A0", "A1", "A2", "A3", "A5", "A7", "A9"]
+    assert out[-2] == "    </table>"
+    many = [Node(role="label", name=str(i), states=SHOWN) for i in range(5)]
+    assert len(lines(a11y.build_xml([app(*many)], max_nodes=3))) == 2 + 2  # app, 2 labels, close
+
+
+# the wire protocol -------------------------------------------------------------------------
+def test_marshalling_round_trip_of_the_signatures_atspi_uses():
+    sig = "(so)iu(iiii)a(so)asaud(ss)v"
+    values = [("org.x", "/a/b"), -3, 7, (1, -2, 3, 4), [(":1.2", "/r"), (":1.3", "/s")], ["a", "bc"], [5, 1 << 31],
+              2.5, ("p", "q"), ("s", "héllo")]
+    w = a11y._Writer()
+    w.value("y", 9)  # misalign on purpose: alignment must follow the offset
+    w.write(sig, values)
+    r = a11y._Reader(bytes(w.buf))
+    assert r.value("y") == 9
+    assert r.read(sig) == [*values[:9], "héllo"]
+
+
+def test_a_method_call_message_is_well_formed():
+    w = object.__new__(a11y.Wire)
+    w.serial = 41
+    msg = w._message("org.a11y.atspi.Registry", "/org/a11y/atspi/accessible/root", a11y.ACC, "GetChildren", "", ())
+    assert msg[:4] == b"l\x01\x00\x01" and struct.unpack_from("<II", msg, 4) == (0, 42) and len(msg) % 8 == 0
+    fields = dict(a11y._Reader(msg, 12).value("a(yv)"))
+    assert fields == {1: "/org/a11y/atspi/accessible/root", 2: a11y.ACC, 3: "GetChildren",
+                      6: "org.a11y.atspi.Registry"}
+
+
+def test_a_bad_bus_address_is_a_clear_error():
+    with pytest.raises(a11y.WireError, match="no unix socket"):
+        a11y.Wire("tcp:host=localhost,port=1", bus=True)
+    with pytest.raises(a11y.WireError, match="connection"):
+        a11y.Wire("unix:path=/nonexistent/bunshin-bus", bus=True)
+
+
+# live desktops ------------------------------------------------------------------------------
+#: one task per app there is: Calc, the terminal (xterm: no AT-SPI, so only the other apps),
+#: the text editor (mousepad), chromium
+LIVE_TASKS = {"osworld/calc-max-sales": "LibreOffice Calc", "osworld/terminal-count-lines": None,
+              "osworld/editor-fix-port": "server.conf", "osworld/chrome-open-about": "Chromium"}
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("task_id", list(LIVE_TASKS))
+def test_fast_walker_gives_the_old_walkers_tree(env, task_id):
+    env.reset(options={"task": task_id})
+    time.sleep(2)
+    u = env.unwrapped
+    # the old walker with room to finish (its 8 s default cuts the tree on a busy host);
+    # a live desktop may change between two dumps, so the fast dump is taken between two
+    # old ones and must equal one of them
+    before = u.accessibility_tree(walker="old", seconds=120)
+    fast = u.accessibility_tree()
+    after = u.accessibility_tree(walker="old", seconds=120)
+    assert 'source="x11"' not in before, "AT-SPI did not answer the old walker"
+    assert fast in (before, after), _first_difference(fast, before)
+    marker = LIVE_TASKS[task_id]
+    if marker:
+        assert marker in fast
+    if task_id == "osworld/calc-max-sales":
+        assert fast.count("<table-cell ") > 100
+
+
+def _first_difference(a: str, b: str) -> str:
+    for i, (x, y) in enumerate(zip(a.split("\n"), b.split("\n"), strict=False)):
+        if x != y:
+            return f"line {i}: fast {x!r} != old {y!r}"
+    return f"lengths differ: {a.count(chr(10))} vs {b.count(chr(10))} lines"
+
+
+def test_bad_walker_is_refused(env):
+    with pytest.raises(ValueError, match="walker"):
+        env.unwrapped.accessibility_tree(walker="fastest")
