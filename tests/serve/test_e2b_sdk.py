@@ -218,3 +218,26 @@ def test_timeout_pauses_when_asked(server, opts):
         assert sb.files.read("/tmp/kept") == "yes"
     finally:
         sb.kill()
+
+
+def test_async_sdk(server, opts):
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    async def main() -> tuple[str, str, int]:
+        sb = await AsyncSandbox.create("base", **opts)
+        try:
+            r = await sb.commands.run("echo async; echo e >&2")
+            await sb.files.write("/tmp/a.txt", "from async")
+            forks = await sb.fork(count=2)
+            try:
+                texts = [await f.files.read("/tmp/a.txt") for f in forks]
+            finally:
+                for f in forks:
+                    await f.kill()
+            return r.stdout, "".join(texts), len(forks)
+        finally:
+            await sb.kill()
+
+    assert asyncio.run(main()) == ("async\n", "from asyncfrom async", 2)

@@ -138,3 +138,21 @@ def test_arrays_travel_as_compressed_bytes():
 ])
 def test_spaces_round_trip(space):
     assert codec.space_from_json(json.loads(json.dumps(codec.space_to_json(space)))) == space
+
+
+@pytest.mark.slow
+def test_desktop_env_over_the_server_sends_screenshots_compressed(server, opts):
+    env = gym.make("Bunshin-OSWorld-v0", server=server.url, token=ALICE, action_space="computer_13",
+                   require_a11y_tree=False)
+    try:
+        obs, info = env.reset(options={"task": "osworld/editor-append-item"})
+        shot = obs["screenshot"]
+        assert shot.dtype == np.uint8 and shot.shape == (1080, 1920, 3) and shot.std() > 0
+        assert env.observation_space["screenshot"].shape == (1080, 1920, 3)
+        obs, reward, terminated, truncated, info = env.step({"action_type": "MOVE_TO", "x": 300, "y": 300})
+        assert "error" not in info and obs["screenshot"].shape == shot.shape
+        with server.client() as c:  # the same step's answer on the wire: a compressed frame
+            r = c.post(f"/envs/{env.remote_id}/step", json={"action": {"action_type": "WAIT"}})
+        assert r.headers["content-type"] == codec.MEDIA_TYPE and len(r.content) < shot.nbytes / 10
+    finally:
+        env.close()
