@@ -241,3 +241,26 @@ def test_async_sdk(server, opts):
             await sb.kill()
 
     assert asyncio.run(main()) == ("async\n", "from asyncfrom async", 2)
+
+
+HOLD_VSOCK = ("import socket, time\n"
+              "s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\n"
+              "open('/tmp/held', 'w').write('yes')\n"
+              "time.sleep(3600)\n")
+
+
+def test_a_fork_criu_cannot_make_fails_with_criu_s_line_and_the_sandbox_goes_on(server, sandbox, opts):
+    sandbox.files.write("/tmp/hold.py", HOLD_VSOCK)
+    sandbox.commands.run("python3 /tmp/hold.py", background=True, timeout=0)  # a descriptor CRIU cannot dump
+    deadline = time.monotonic() + 20
+    while not sandbox.files.exists("/tmp/held"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    before = workspace_ids_of_server(server)
+    with pytest.raises(SandboxException, match=r"500: .*CRIU dump of workspace ws-\w+ failed .*log: "):
+        sandbox.fork(count=2)
+    with pytest.raises(SandboxException, match="CRIU dump"):
+        sandbox.pause()
+    assert workspace_ids_of_server(server) == before, "no half-made copy is left"
+    assert sandbox.commands.run("echo alive").stdout == "alive\n"  # the source runs on, thawed
+    assert sandbox.get_info().state.value == "running"
