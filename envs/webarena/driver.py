@@ -218,8 +218,8 @@ class Driver:
                     page.keyboard.type(text)
             if req.get("enter"):
                 target.press("Enter")
-        elif kind == "press":
-            page.keyboard.press(_key_combo(req["key"]))
+        elif kind == "press":  # on an element (BrowserGym's press(bid, key)) or wherever the focus is
+            (target or page.keyboard).press(_key_combo(req["key"]))
         elif kind == "scroll":
             dy = self.viewport["height"] * (1 if req["direction"] == "down" else -1)
             page.mouse.wheel(0, dy)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import re
 import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,8 @@ class WebArenaEnv(WorkspaceEnv):
         self.observation_space = spaces.Dict(obs)
         self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
         self._client: BrowserClient | None = None
+        self.open_tabs: list[dict] = []
+        self.active_tab = 0
         self._clear_episode()
 
     def _clear_episode(self) -> None:
@@ -210,6 +213,9 @@ class WebArenaEnv(WorkspaceEnv):
             self.answer = act.answer
             self.done = True
             return {"answer": act.answer}
+        if act.kind == "noop":  # BrowserGym's noop(wait_ms): the page may still be loading
+            time.sleep(act.wait_s or 0.0)
+            return {"action": act.raw}
         req: dict[str, Any] = {"op": "act", "kind": act.kind}
         if act.element is not None:
             target = self._target(act.element)
@@ -222,6 +228,8 @@ class WebArenaEnv(WorkspaceEnv):
                 req.update(kind="select", option=target.option)
         if act.kind == "type":
             req.update(text=act.text, enter=act.enter)
+        if act.kind == "select":  # BrowserGym's select_option(bid, label) on the list's own id
+            req["option"] = act.option
         req.update(key=act.key, direction=act.direction, index=act.index)
         if act.url is not None:
             try:
@@ -266,6 +274,7 @@ class WebArenaEnv(WorkspaceEnv):
     def observe(self) -> dict:
         reply, blobs = self.browser.request({"op": "observe", "screenshot": self.screenshot})
         tabs, active = reply["tabs"], reply["active"]
+        self.open_tabs, self.active_tab = tabs, active  # [{"title", "url"}, ...]: BrowserGym's page lists
         title = tabs[active]["title"] if 0 <= active < len(tabs) else ""
         self._tree, self._targets = render_tree(parse_aria(reply["aria"]), title)
         obs = {

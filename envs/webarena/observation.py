@@ -23,6 +23,7 @@ their children moved up, and a text line repeating its parent's name is dropped.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -242,3 +243,36 @@ def tabs_line(tabs: list[dict], active: int) -> str:
     """WebArena's tab header: ``Tab 0 (current): One Stop Market | Tab 1: ...``."""
     return " | ".join(f"Tab {i}{' (current)' if i == active else ''}: {t.get('title', '')}"
                       for i, t in enumerate(tabs))
+
+
+_TREE_LINE = re.compile(r"(\t*)\[(\d+)\] (\S+) ('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")(.*)$")
+_PROP = re.compile(r"(\w+): (\S+)")
+
+
+def axtree_object(tree: str) -> dict:
+    """The tree text as a Chrome DevTools accessibility tree (``{"nodes": [...]}``, each node with
+    ``nodeId``, ``role``, ``name``, ``properties``, ``childIds``, ``parentId`` and
+    ``browsergym_id`` = the line's id), the form of BrowserGym's ``axtree_object``: BrowserGym's
+    ``flatten_axtree_to_str`` prints it back as ``[id] role 'name'`` lines."""
+    nodes: list[dict] = []
+    stack: list[tuple[int, dict]] = []  # (depth, node) of the open ancestors
+    for line in tree.splitlines():
+        m = _TREE_LINE.match(line)
+        if m is None:
+            continue  # not a node line (names are repr()-quoted, so a node is always one line)
+        depth, nid, role = len(m.group(1)), m.group(2), m.group(3)
+        name = ast.literal_eval(m.group(4))
+        props = [{"name": k, "value": {"type": "booleanOrUndefined" if v == "True" else "token",
+                                       "value": True if v == "True" else v}}
+                 for k, v in _PROP.findall(m.group(5))]
+        node = {"nodeId": nid, "ignored": False, "role": {"type": "role", "value": role},
+                "name": {"type": "computedString", "value": name}, "properties": props, "childIds": [],
+                "browsergym_id": nid}
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if stack:
+            node["parentId"] = stack[-1][1]["nodeId"]
+            stack[-1][1]["childIds"].append(nid)
+        stack.append((depth, node))
+        nodes.append(node)
+    return {"nodes": nodes}
