@@ -8,8 +8,9 @@ The step log does, in ``steps.jsonl`` of a run directory, three kinds of lines:
 - ``{"kind": "group", "group", "epoch", "task", "members", "instruction", "obs", "time"}``:
   a group was set up (``obs``: its first observation, every member's start);
 - ``{"kind": "step", "group", "member", "episode", "depth", "action", "signature", "served",
-  "duration", "think_s", "reward", "terminated", "truncated", "error", "obs", "time"}``:
-  a member's step (``served``: ``executed``, ``cache`` or ``speculation``);
+  "duration", "think_s", "fork_s", "reward", "terminated", "truncated", "error", "obs", "time"}``:
+  a member's step (``served``: ``executed``, ``cache`` or ``speculation``; ``duration``: what the
+  member waited for it; ``fork_s``: what the call took in its speculative fork, if adopted);
 - ``{"kind": "end", "group", "member", "reward", "steps", "wall_s", "error", "time"}``.
 
 An observation is kept small: its text fields' tails inline (``obs["text"]``, at most
@@ -116,7 +117,8 @@ class StepLog:
         self._write({"kind": "step", "group": group, "member": member, "episode": episode, "depth": depth,
                      "action": action_text(action), "signature": signature or action_text(action),
                      "served": served_from(info), "duration": round(float(duration), 6),
-                     "think_s": None if think_s is None else round(float(think_s), 6), "reward": float(reward),
+                     "think_s": None if think_s is None else round(float(think_s), 6),
+                     "fork_s": _seconds(info.get("speculation_s")), "reward": float(reward),
                      "terminated": bool(terminated), "truncated": bool(truncated),
                      "error": info.get("error"), "obs": self.observation(obs)})
 
@@ -209,6 +211,10 @@ def _write(path: Path, make) -> None:
     tmp = path.with_suffix(f".tmp{threading.get_ident()}")
     tmp.write_bytes(make())
     tmp.replace(path)
+
+
+def _seconds(v: Any) -> float | None:
+    return None if v is None else round(float(v), 6)
 
 
 def _jpeg(rgb: np.ndarray, side: int | None) -> bytes:

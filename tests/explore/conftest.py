@@ -20,7 +20,7 @@ import gymnasium as gym
 import pytest
 
 import bunshin_gym  # noqa: F401 - registers the envs
-from bunshin_gym.rollout import PrefixCache, StepLog, TrajectoryLog
+from bunshin_gym.rollout import PrefixCache, SpecToolSelector, Speculation, StepLog, TrajectoryLog, signature
 
 REPO = Path(__file__).resolve().parents[2]
 #: where the page's screenshots go, for a reviewer to look at (BUNSHIN_EXPLORE_SHOTS overrides)
@@ -47,19 +47,31 @@ DESKTOP_PLANS = [["pyautogui.click(300, 200)", "pyautogui.write('mkdir ~/project
                  ["pyautogui.click(300, 200)", "DONE"]]
 
 
-def record_groups(run_dir: Path, env_id: str, groups: list[tuple], G: int, **env_kwargs) -> tuple:
+#: the speculation run: a slow call the selector has seen before, made after 4 s of "thinking"
+SLOW = "sleep 1; echo done > /home/user/spec.txt; cat /home/user/spec.txt"
+
+
+def record_groups(run_dir: Path, env_id: str, groups: list[tuple], G: int, *, think_s: float = 0.0,
+                  **env_kwargs) -> tuple:
     """Run ``groups`` ((epoch, task, plans, ...) each) through one GroupVectorEnv with the prefix
     cache and the step log; returns (group env, cache, trajectories per group). The caller
-    closes the env and clears the cache."""
+    closes the env and clears the cache. ``think_s``: how long the policy takes over its first
+    call (what speculation overlaps)."""
     steps = StepLog(run_dir)
     cache = PrefixCache(run_dir / "prefix-cache", log=TrajectoryLog(run_dir / "trajectories.jsonl"))
     envs = gym.make_vec(env_id, num_envs=G, vectorization_mode="vector_entry_point", cache=cache,
                         step_log=steps, **env_kwargs)
+
+    def policy(plans: list[list[str]], i: int, hist: list) -> str:
+        if not hist:
+            time.sleep(think_s)
+        return plans[i][len(hist)]
+
     out = []
     try:
         for epoch, task, plans, *_ in groups:
             steps.epoch = epoch
-            out.append(envs.run_group(lambda i, obs, hist, plans=plans: plans[i][len(hist)], options={"task": task}))
+            out.append(envs.run_group(lambda i, obs, hist, plans=plans: policy(plans, i, hist), options={"task": task}))
         steps.flush()
     except BaseException:
         envs.close()
@@ -92,6 +104,22 @@ def desktop_run(tmp_path_factory):
     finally:
         envs.close()
         cache.clear()
+
+
+@pytest.fixture(scope="session")
+def speculation_run(tmp_path_factory):
+    """A real shell group (G=1) whose slow first call is run by speculation in a fork while the
+    policy thinks, and adopted: (dir, trajectories)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "spec-run"
+    # what the selector learns from: earlier episodes of the task (SLOW took 1 s, DONE nothing)
+    entries = [{"task": "shell/make-dir", "episode": f"e{r}", "depth": d, "signature": signature(a), "action": a,
+                "duration": t} for r in range(5) for d, (a, t) in enumerate([(SLOW, 1.0), ("DONE", 0.01)])]
+    spec = Speculation(SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries), min_duration=0.5)
+    envs, cache, trajs = record_groups(run_dir, "Bunshin-Shell-v0", [("epoch 1", "shell/make-dir", [[SLOW, "DONE"]])],
+                                       1, think_s=4.0, speculation=spec)
+    envs.close()
+    cache.clear()
+    return run_dir, trajs[0]
 
 
 class Explorer:

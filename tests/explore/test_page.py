@@ -213,3 +213,18 @@ def test_ten_thousand_step_run_opens_in_under_two_seconds(shell_run, explorer, p
     page.screenshot(path=shots / "big-run.png")
     assert first_open < 2.0, figures
     assert reopen < 2.0 and next_page < 1.0, figures
+
+
+def test_a_step_adopted_from_speculation_is_marked(speculation_run, explorer, page, shots):
+    srv = explorer(run=speculation_run[0])
+    page.goto(srv.url + "/")
+    page.wait_for_selector("#tree .node[data-node=n1]")
+    slow = page.locator("#tree .node[data-node=n1]")
+    assert slow.get_attribute("data-speculation") == "1" and slow.get_attribute("data-executed") == "0"
+    assert slow.locator(".badge").inner_text() == "spec 1"
+    slow.click()
+    page.wait_for_selector("#step-action")
+    assert page.locator("#step .kv .badge").inner_text() == "speculation"
+    assert page.locator("#step pre.obs-output").inner_text().strip() == "done"
+    assert "s in a speculative fork" in page.locator("#step .kv").first.inner_text()
+    page.screenshot(path=shots / "speculation.png")

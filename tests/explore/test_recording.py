@@ -75,3 +75,16 @@ def test_vector_step_records_too(tmp_path):
         (1, 1, "DONE", "executed")]
     assert steps[1]["obs"]["text"]["output"].strip() == "/home/user"
     assert all(s["duration"] > 0 and s["think_s"] is None for s in steps)
+
+
+def test_a_call_adopted_from_speculation_is_recorded_as_such(speculation_run):
+    run_dir, trajs = speculation_run
+    steps = lines(run_dir, "step")
+    assert [(s["action"], s["served"]) for s in steps] == [(trajs[0].steps[0].action, "speculation"),
+                                                           ("DONE", "executed")]
+    assert trajs[0].steps[0].info.get("speculation") == "hit"
+    assert steps[0]["obs"]["text"]["output"] == "done\n"
+    # what the call took in the fork (its second of sleep), besides what the member waited for it
+    assert steps[0]["fork_s"] >= 1.0 and steps[1]["fork_s"] is None
+    tree = build_tree(Run(run_dir).group(steps[0]["group"]))
+    assert tree["served"] == {"executed": 1, "cache": 0, "speculation": 1}

@@ -194,6 +194,7 @@ async function showStep(n, member) {
     el("div", { class: "kv" },
       el("span", {}, el("span", { class: `badge b-${s.served}`, text: s.served })),
       el("span", { text: `tool ${fmt(s.duration, 3)} s` }),
+      s.fork_s !== null && s.fork_s !== undefined ? el("span", { text: `ran ${fmt(s.fork_s, 3)} s in a speculative fork` }) : null,
       el("span", { text: `policy ${fmt(s.think_s, 3)} s` }),
       el("span", { text: `reward ${fmt(s.reward, 2)}` }),
       el("span", { text: s.terminated ? "terminated" : s.truncated ? "truncated" : "" }),
