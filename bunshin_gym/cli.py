@@ -149,8 +149,17 @@ def _cmd_bench(args) -> int:
     if args.name == "rollout":
         from bunshin_gym.bench import rollout
 
-        rollout.run(args.json, epochs=args.epochs, group=args.group,
+        rollout.run(args.json, epochs=args.epochs or 3, group=args.group or 4,
                     plot=args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None))
+        return 0
+    if args.name == "epoch":
+        from bunshin_gym.bench import epoch
+
+        size = epoch.QUICK if args.quick else epoch.PAPER if args.paper else epoch.DEFAULT
+        size = epoch.Size(args.tasks or size.tasks, args.group or size.group, args.epochs or size.epochs)
+        epoch.run(args.json, env_id=args.env or epoch.OSWORLD, size=size, seed=args.seed,
+                  modes=tuple((args.modes or ",".join(epoch.MODES)).split(",")), parallel=args.parallel,
+                  think=epoch.ThinkTime(scale=args.think_scale), replay=args.replay)
         return 0
     if args.name == "fork":
         from bunshin_gym.bench import fork
@@ -265,18 +274,27 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout", "env", "containment", "soak", "serve"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
     be.add_argument("--modes", default=None,
                     help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
+                         "epoch: rollout modes (default copy-base,share-base,spec,full); "
                          "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1)")
-    be.add_argument("--env", default=None, help="env: the env id to measure, e.g. Bunshin-WebArena-v0")
+    be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
-    be.add_argument("--epochs", type=int, default=3, help="rollout: epochs per mode")
-    be.add_argument("--group", type=int, default=4, help="rollout: GRPO group size G")
+    be.add_argument("--epochs", type=int, default=None, help="rollout, epoch: epochs per mode (default 3)")
+    be.add_argument("--group", type=int, default=None, help="rollout, epoch: GRPO group size G (default 4)")
+    be.add_argument("--tasks", type=int, default=None, help="epoch: number of tasks (default 4)")
+    be.add_argument("--quick", action="store_true", help="epoch: smoke-test size (2 tasks, G=2, 2 epochs)")
+    be.add_argument("--paper", action="store_true", help="epoch: the paper's size (8 tasks, G=8, 3 epochs)")
+    be.add_argument("--seed", type=int, default=7, help="epoch: seed of the recorded trajectories")
+    be.add_argument("--think-scale", type=float, default=0.2,
+                    help="epoch: factor on the policy's think time (lognormal, median 6 s before scaling)")
+    be.add_argument("--parallel", type=int, default=0, help="epoch: groups run at a time (default 0: all of an epoch)")
+    be.add_argument("--replay", default=None, help="epoch: replay the trajectories saved in this results JSON")
     be.add_argument("--before", default=None,
                     help="containment: git revision to compare with (default 7213947, the last without containment)")
     be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")

@@ -29,6 +29,7 @@ import bunshin_gym  # noqa: F401 - registers the envs
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.envs.shell.env import load_shell_task
 from bunshin_gym.rollout import PrefixCache, SpecToolSelector, Speculation, TrajectoryLog, signature
+from bunshin_gym.rollout.observation import observation_text
 from bunshin_gym.workspace.memstat import used_memory
 
 TASKS = ["shell/count-files", "shell/grep-errors", "shell/sum-numbers", "shell/find-largest"]
@@ -67,17 +68,26 @@ def make_trajectories(seed: int, epochs: int, group: int, tasks: list[str]) -> l
 
 
 class MemorySampler:
-    def __init__(self) -> None:
-        self.base = used_memory()
+    """Samples memory every ``interval`` seconds in a thread: host memory in use above what it
+    was at the start, unless a subclass's :meth:`read` counts something narrower."""
+
+    relative = True  # samples are read() less the first reading
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.base = self.read() if self.relative else 0
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def read(self) -> int:
+        return used_memory()
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self._t0, used_memory() - self.base))
-            time.sleep(0.05)
+            self.samples.append((time.perf_counter() - self._t0, self.read() - self.base))
+            time.sleep(self.interval)
 
     def __enter__(self) -> MemorySampler:
         self._thread.start()
@@ -92,32 +102,43 @@ class MemorySampler:
         return round(max((m for _, m in self.samples), default=0) / 2**20, 1)
 
 
-def _replay_group(rec: dict, group: int, cache: PrefixCache | None, spec: Speculation | None,
-                  log: TrajectoryLog | None) -> list[tuple[float, float, list[str]]]:
-    """Replay one recorded group; per member: reward, wall time, how each call was served."""
+def replay_group(rec: dict, group: int, cache: PrefixCache | None, spec: Speculation | None,
+                 log: TrajectoryLog | None, *, env_id: str = "Bunshin-Shell-v0", env_kwargs: dict | None = None,
+                 kind: str = "shell", clock: float | None = None) -> list[tuple[float, float, list[str], float]]:
+    """Replay one recorded group (``rec["members"]``: each member's actions and think times).
+
+    Per member: reward, wall time, how each call was served ("cache", "speculation",
+    "executed"), and when it ended (seconds after ``clock``, a ``perf_counter`` reading;
+    default: the group's start)."""
     members = rec["members"]
-    envs = gym.make_vec("Bunshin-Shell-v0", num_envs=group, vectorization_mode="vector_entry_point",
-                        cache=cache, speculation=spec)
+    clock = time.perf_counter() if clock is None else clock
+    envs = gym.make_vec(env_id, num_envs=group, vectorization_mode="vector_entry_point",
+                        cache=cache, speculation=spec, **(env_kwargs or {}))
     kinds: list[list[str]] = [[] for _ in range(group)]
+    ends = [0.0] * group
+    seen: list[object] = [None] * group  # the observation each member's next call is made from
 
     def policy(i, obs, hist):
+        seen[i] = obs
         time.sleep(members[i]["think"][len(hist)])
         return members[i]["actions"][len(hist)]
 
     def on_step(i, step):
         info = step.info
-        kind = "cache" if info.get("cache") == "hit" else "speculation" if info.get("speculation") == "hit" \
+        served = "cache" if info.get("cache") == "hit" else "speculation" if info.get("speculation") == "hit" \
             else "executed"
         if log is not None:  # a cache logs by itself
             log.record(task=rec["task"], episode=f"{rec['epoch']}-{rec['task']}-{i}", depth=len(kinds[i]),
-                       signature=signature(step.action), action=step.action, duration=step.tool_s, served=kind)
-        kinds[i].append(kind)
+                       signature=signature(step.action, kind), action=step.action, duration=step.tool_s,
+                       served=served, observation=observation_text(seen[i]))
+        kinds[i].append(served)
+        ends[i] = time.perf_counter() - clock
 
     try:
         trajs = envs.run_group(policy, options={"task": rec["task"]}, on_step=on_step)
     finally:
         envs.close()
-    return [(t.reward, t.wall_s, kinds[t.member]) for t in trajs]
+    return [(t.reward, t.wall_s, kinds[t.member], ends[t.member]) for t in trajs]
 
 
 def run_mode(mode: str, trajectories: list[dict], epochs: int, group: int, work: Path) -> dict:
@@ -136,7 +157,7 @@ def run_mode(mode: str, trajectories: list[dict], epochs: int, group: int, work:
         with MemorySampler() as mem:
             for rec in (r for r in trajectories if r["epoch"] == epoch):
                 offset = time.perf_counter() - t_epoch
-                for reward, wall_s, kinds in _replay_group(rec, group, cache, spec, None if cache else log):
+                for reward, wall_s, kinds, _ in replay_group(rec, group, cache, spec, None if cache else log):
                     rewards.append(reward)
                     running.append((round(offset, 2), round(offset + wall_s, 2)))
                     for kind in kinds:

@@ -1,0 +1,579 @@
+"""``bunshin bench epoch``: the BunshinRL paper's rollout evaluation on the desktop and web envs.
+
+A recorded set of GRPO trajectories is replayed epoch by epoch in four modes side by side:
+
+- **copy-base**: each group's members are private-copy forks of the set-up workspace (as
+  plain CRIU: every clone restores its own copy of the memory);
+- **share-base**: the members are share forks (memory shared copy-on-write);
+- **spec**: share-base plus speculative tool execution, the selector trained on the earlier
+  epochs' log (from epoch 2 on: epoch 1 has no log);
+- **full**: spec plus the tool-prefix cache, kept across epochs.
+
+The trajectories come from a stochastic policy mixing each task's shipped oracle with
+exploration in the env's real action types (pyautogui code and computer_13 dicts on the
+desktop, WebArena action strings on the shop): per task a few exploration "styles" that the
+members and epochs draw from (later epochs favour the first, as a converging policy
+would), detours, and solutions that are complete or cut short (reward 0), so groups share
+prefixes and later epochs revisit earlier ones. Tool latencies are the envs' own (apps
+starting, pages loading). The policy's think time per turn is drawn from a lognormal
+distribution (:class:`ThinkTime`, stated in the results) and slept, as a policy's
+generation would take that long. The trajectories are saved with the results, and
+``--replay FILE`` replays those of an earlier run.
+
+Memory is what the run's own workspaces use, sampled over time: the sum of their cgroups'
+charge, the tmpfs page images their share clones map, their userfaultfd monitors, and (in
+full mode) the prefix cache's snapshot images it keeps resident; never host-wide.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bunshin_gym.bench.report import table, write
+from bunshin_gym.bench.rollout import MemorySampler, replay_group
+from bunshin_gym.config import paths
+from bunshin_gym.rollout import PrefixCache, Speculation, TrajectoryLog
+from bunshin_gym.workspace import records
+from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.memstat import rollup
+
+log = logging.getLogger(__name__)
+
+MODES = ("copy-base", "share-base", "spec", "full")
+OSWORLD, WEBARENA = "Bunshin-OSWorld-v0", "Bunshin-WebArena-v0"
+
+#: tasks in the order ``--tasks N`` takes them (cheap and varied first)
+TASKS = {
+    OSWORLD: ["osworld/terminal-count-lines", "osworld/editor-fix-port", "osworld/chrome-open-about",
+              "osworld/terminal-grep-errors", "osworld/files-copy-report", "osworld/editor-append-item",
+              "osworld/terminal-sum-numbers", "osworld/chrome-site-search", "osworld/files-delete-tmp",
+              "osworld/editor-enable-debug", "osworld/terminal-mkdir-projects", "osworld/calc-max-sales"],
+    WEBARENA: [f"webarena/{n}" for n in (1001, 1006, 1019, 1004, 1008, 1025, 1012, 1034, 1014, 1029, 1016, 1036)],
+}
+#: env kwargs of every group (no a11y tree: 0.2-3 s a step; a short settle so a screenshot is
+#: taken once the action's effect is drawn, as OSWorld waits after each action)
+ENV_KWARGS = {OSWORLD: {"require_a11y_tree": False, "settle": 0.3}, WEBARENA: {}}
+
+#: exploration in each action kind: short sequences that look around without changing what
+#: the task checks (a detour followed by its way back, on the web)
+EXPLORE = {
+    "pyautogui": [["pyautogui.moveTo(960, 540)"], ["pyautogui.scroll(-3)"], ["pyautogui.scroll(3)"],
+                  ["pyautogui.press('shift')"], ["WAIT"], ["pyautogui.moveTo(200, 300)", "WAIT"]],
+    "computer_13": [[{"action_type": "MOVE_TO", "x": 960, "y": 540}], [{"action_type": "SCROLL", "dx": 0, "dy": -3}],
+                    [{"action_type": "SCROLL", "dx": 0, "dy": 3}], [{"action_type": "PRESS", "key": "shift"}],
+                    [{"action_type": "WAIT"}],
+                    [{"action_type": "MOVE_TO", "x": 200, "y": 300}, {"action_type": "WAIT"}]],
+    "webarena": [["scroll [down]"], ["scroll [up]"], ["click [link 'My Account']", "go_back"],
+                 ["click [link 'Electronics']", "go_back"], ["type [searchbox 'Search'] [headphones] [1]", "go_back"],
+                 ["scroll [down]", "scroll [up]"]],
+}
+
+
+@dataclass
+class ThinkTime:
+    """The policy's time per turn: lognormal around an assumed generation time of a 7-8B
+    vision-language model, scaled down so an epoch fits a small machine.
+
+    The default median, 6 s, is an assumption, not measured here: a 7B VLM (Qwen2.5-VL-7B,
+    UI-TARS-7B) writing ~150-250 tokens of thought and action per turn at ~30-40 tokens/s
+    on one GPU, after prefilling a screenshot; sigma 0.6 gives its spread (p90 ~2.2x the median).
+    """
+
+    median_s: float = 6.0
+    sigma: float = 0.6
+    scale: float = 0.2
+
+    def draw(self, rng: random.Random) -> float:
+        return round(self.scale * self.median_s * math.exp(rng.gauss(0.0, self.sigma)), 3)
+
+    def describe(self) -> str:
+        return (f"lognormal, median {self.median_s} s, sigma {self.sigma} (assumed per-turn generation time of a "
+                f"7-8B VLM), scaled by {self.scale}: median {self.median_s * self.scale:.2f} s per turn")
+
+
+# the shipped oracles ------------------------------------------------------------------
+def oracle(env_id: str, task_id: str) -> list:
+    """The task's shipped scripted solution (pyautogui strings on the desktop)."""
+    if env_id == OSWORLD:
+        from bunshin_gym.envs.osworld.tasks import task_paths
+
+        return list(json.loads(task_paths()[task_id].read_text())["oracle"])
+    if env_id == WEBARENA:
+        from bunshin_gym.envs.webarena.tasks import load_config
+
+        return list(load_config(task_id)["oracle"])
+    raise ValueError(f"bench epoch: unknown env {env_id!r} (one of {OSWORLD}, {WEBARENA})")
+
+
+def to_computer_13(action: str) -> list[dict]:
+    """A shipped pyautogui oracle action as computer_13 actions (one call of ``write``,
+    ``hotkey``, ``press``, ``click`` or a sleep; ``WAIT``/``DONE``/``FAIL`` as they are).
+    Raises ValueError for anything else."""
+    if action in ("WAIT", "DONE", "FAIL"):
+        return [{"action_type": action}]
+    body = ast.parse(action).body
+    if len(body) == 2 and isinstance(body[0], ast.Import) and "time.sleep" in ast.unparse(body[1]):
+        return [{"action_type": "WAIT"}]  # the oracle's pause for an app: the env's WAIT
+    if len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
+        raise ValueError(f"not one pyautogui call: {action!r}")
+    call = body[0].value
+    name = ast.unparse(call.func)
+    args = [ast.literal_eval(a) for a in call.args]
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    if name == "pyautogui.write" and len(args) == 1:
+        return [{"action_type": "TYPING", "text": args[0]}]
+    if name == "pyautogui.hotkey":
+        return [{"action_type": "HOTKEY", "keys": list(args)}]
+    if name == "pyautogui.press" and len(args) == 1:
+        return [{"action_type": "PRESS", "key": args[0]}] * int(kw.get("presses", 1))
+    if name == "pyautogui.click" and len(args) == 2 and not kw:
+        return [{"action_type": "CLICK", "x": args[0], "y": args[1], "button": "left", "num_clicks": 1}]
+    raise ValueError(f"no computer_13 form for {action!r}")
+
+
+def action_kind(env_id: str, task_index: int, oracle_actions: list) -> str:
+    """The action space a task's group uses: on the desktop every other task speaks
+    computer_13 (when its oracle translates), the rest pyautogui; the web its action strings."""
+    if env_id == WEBARENA:
+        return "webarena"
+    if task_index % 2:
+        try:
+            for a in oracle_actions:
+                to_computer_13(a)
+            return "computer_13"
+        except (ValueError, SyntaxError):
+            pass
+    return "pyautogui"
+
+
+def _is_wait(action: Any) -> bool:
+    text = action.get("action_type") if isinstance(action, dict) else action
+    return text == "WAIT" or "time.sleep" in str(text)
+
+
+def last_real_step(steps: list) -> int | None:
+    """Index of a solution's last step that does something (not its final DONE/stop, not a
+    wait): the step a solution cut short lacks."""
+    return next((i for i in range(len(steps) - 2, -1, -1) if not _is_wait(steps[i])), None)
+
+
+def _solution(kind: str, actions: list) -> list:
+    if kind != "computer_13":
+        return list(actions)
+    return [c for a in actions for c in to_computer_13(a)]
+
+
+# the recorded set --------------------------------------------------------------------
+def make_trajectories(env_id: str, tasks: list[str], *, group: int, epochs: int, seed: int,
+                      think: ThinkTime, oracles: dict[str, list] | None = None) -> list[dict]:
+    """Per epoch and task, G members' actions and think times (see the module docs).
+
+    ``oracles`` (task -> pyautogui/web actions) replaces the shipped ones (tests)."""
+    if group < 1 or epochs < 1 or not tasks:
+        raise ValueError(f"bench epoch needs tasks, group >= 1 and epochs >= 1 (got {len(tasks)} tasks, "
+                         f"group {group}, epochs {epochs})")
+    rng = random.Random(seed)
+    oracles = oracles or {t: oracle(env_id, t) for t in tasks}
+    kinds = {t: action_kind(env_id, i, oracles[t]) for i, t in enumerate(tasks)}
+    # a few ways each task is explored, shared by members and epochs: prefixes repeat
+    styles = {t: [[a for _ in range(rng.randint(1, 2)) for a in rng.choice(EXPLORE[kinds[t]])] for _ in range(3)]
+              for t in tasks}
+    out = []
+    for epoch in range(epochs):
+        for task_id in tasks:
+            kind, solve = kinds[task_id], _solution(kinds[task_id], oracles[task_id])
+            members = []
+            for m in range(group):
+                style = styles[task_id][rng.choices(range(3), weights=[3 + 2 * epoch, 2, 1])[0]]
+                steps = list(solve)
+                cut = last_real_step(steps)
+                if rng.random() > 0.5 + 0.15 * epoch and cut is not None:
+                    del steps[cut]  # a solution cut short: its last real step is missing
+                if rng.random() < 0.3 / (1 + epoch):  # a detour in the middle of the solution
+                    at = rng.randrange(len(steps))
+                    steps[at:at] = rng.choice(EXPLORE[kind])
+                actions = list(style) + steps
+                slow = m == group - 1 and rng.random() < 0.5  # a straggler: long generations
+                think_s = [round(think.draw(rng) * (2.0 if slow else 1.0), 3) for _ in actions]
+                members.append({"actions": actions, "think": think_s})
+            out.append({"epoch": epoch, "task": task_id, "kind": kind, "members": members})
+    return out
+
+
+# memory of the run's own workspaces ---------------------------------------------------
+def _image_copies(root: Path, names: set[str]) -> set[str]:
+    """Snapshot image copies and the parent copies they link to (their pages are mapped too)."""
+    out, todo = set(), list(names)
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        link = root / n / "parent"
+        if link.is_symlink():
+            todo.append(Path(os.readlink(link)).name)
+    return out
+
+
+def _dir_bytes(d: Path) -> int:
+    total = 0
+    try:
+        for f in d.iterdir():
+            if f.is_file() and not f.is_symlink():
+                total += f.stat().st_blocks * 512  # allocated, not apparent (images have headroom)
+    except OSError:
+        pass
+    return total
+
+
+def workspace_memory(owner: int | None = None) -> dict[str, int]:
+    """Bytes used by the workspaces this process (or ``owner``) runs: their cgroups' charge,
+    the tmpfs page images their share clones map, and their uffd monitors' resident memory."""
+    owner = os.getpid() if owner is None else owner
+    mine = [r for r in records.all_records() if r.owner == owner and r.pid1]
+    cgroups = 0
+    for r in mine:
+        try:
+            cgroups += Cgroup(r.cgroup).memory_usage()
+        except (OSError, ValueError):
+            pass  # closed meanwhile
+    root = paths().run / "uffd-images"
+    used = _image_copies(root, {r.snapshot for r in mine if "uffd" in r.extra and r.snapshot})
+    images = sum(_dir_bytes(root / n) for n in used)
+    monitors = [pid for r in mine if "uffd" in r.extra for pid in (r.extra["uffd"].get("guard"),
+                                                                   r.extra["uffd"].get("worker")) if pid]
+    return {"cgroups": cgroups, "page_images": images, "monitors": rollup(monitors)["Rss"],
+            "workspaces": len(mine)}
+
+
+class WorkspaceMemorySampler(MemorySampler):
+    """Samples :func:`workspace_memory` (plus ``extra()``: the prefix cache's resident
+    snapshots) in absolute bytes; ``parts`` keeps each sample's components."""
+
+    relative = False
+
+    def __init__(self, interval: float = 0.25, extra: Callable[[], int] | None = None, clock: float | None = None):
+        self.extra = extra
+        self.parts: list[dict] = []
+        super().__init__(interval)
+        if clock is not None:
+            self._t0 = clock
+
+    def read(self) -> int:
+        parts = workspace_memory()
+        parts["cache_resident"] = self.extra() if self.extra else 0
+        self.parts.append(parts)
+        return sum(v for k, v in parts.items() if k != "workspaces")
+
+
+# figures ------------------------------------------------------------------------------
+def running_curve(spans: list[tuple[float, float]], points: int = 200) -> list[tuple[float, int]]:
+    """Rollouts still running over time: (t, how many spans hold t), from 0 to the last end."""
+    if not spans:
+        return []
+    horizon = max(end for _, end in spans)
+    ts = [horizon * i / points for i in range(points + 1)]
+    return [(round(t, 3), sum(s <= t < e for s, e in spans)) for t in ts]
+
+
+def memory_figures(trace: list[tuple[float, int]]) -> dict:
+    """Peak (MB) and integral (GB-seconds, trapezoids) of a memory trace of (s, bytes)."""
+    peak = max((m for _, m in trace), default=0)
+    integral = sum((t1 - t0) * (m0 + m1) / 2 for (t0, m0), (t1, m1) in zip(trace, trace[1:], strict=False))
+    return {"peak_mb": round(peak / 2**20, 1), "integral_gb_s": round(integral / 2**30, 2)}
+
+
+TARGETS = [
+    ("share-base peak memory <= 0.6x copy-base (paper 0.70x)", "memory"),
+    ("copy-base epoch >= 1.3x longer than share-base (paper 1.3x)", "epoch_time"),
+    ("full >= 1.25x faster than share-base (paper 1.22x)", "epoch_time"),
+    ("full peak memory within 5% of share-base", "memory"),
+    (">= 65% of tool calls served by cache or speculation by epoch 3 (full; paper 65%)", "hit_rate"),
+    ("rewards identical across modes, every epoch", "rewards"),
+]
+
+
+def evaluate_targets(res: dict) -> list[dict]:
+    """Each target with the measured figure and whether it is met (None: not measurable in this run)."""
+    m = res["modes"]
+    tot = {k: sum(e["wall_s"] for e in v["epochs"]) for k, v in m.items()}
+    peak = {k: max(e["memory"]["peak_mb"] for e in v["epochs"]) for k, v in m.items()}
+    out = []
+
+    def add(i: int, value: str, ok: bool | None) -> None:
+        name, figure = TARGETS[i]
+        out.append({"target": name, "figure": figure, "measured": value, "ok": ok})
+
+    if "copy-base" in m and "share-base" in m and peak["copy-base"]:
+        r = peak["share-base"] / peak["copy-base"]
+        add(0, f"{r:.2f}x ({peak['share-base']} / {peak['copy-base']} MB)", r <= 0.6)
+        r = tot["copy-base"] / tot["share-base"]
+        add(1, f"{r:.2f}x ({tot['copy-base']:.1f} / {tot['share-base']:.1f} s, all epochs)", r >= 1.3)
+    if "full" in m and "share-base" in m:
+        r = tot["share-base"] / tot["full"]
+        add(2, f"{r:.2f}x ({tot['share-base']:.1f} / {tot['full']:.1f} s, all epochs)", r >= 1.25)
+        r = peak["full"] / peak["share-base"] if peak["share-base"] else float("inf")
+        add(3, f"{r:.3f}x ({peak['full']} / {peak['share-base']} MB)", r <= 1.05)
+    if "full" in m:
+        e = m["full"]["epochs"][-1]
+        add(4, f"{e['served_fraction'] * 100:.1f}% in epoch {e['epoch']}", e["served_fraction"] >= 0.65
+            if e["epoch"] >= 3 else None)
+    first = next(iter(m.values()))
+    same = all(a["rewards"] == b["rewards"] for v in m.values() for a, b in zip(v["epochs"], first["epochs"],
+                                                                                 strict=True))
+    add(5, "identical" if same else "DIFFER", same)
+    return out
+
+
+def _mark(ok: bool | None) -> str:
+    return "ok" if ok else "-" if ok is None else "NO"
+
+
+# running ------------------------------------------------------------------------------
+class _ModeState:
+    """What a mode keeps across epochs: its log, and in full mode the prefix cache."""
+
+    def __init__(self, mode: str, work: Path):
+        self.mode = mode
+        self.log = TrajectoryLog(work / f"{mode}-log.jsonl")
+        self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log) if mode == "full" else None
+
+
+def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, parallel: int,
+              min_speculate_s: float) -> dict:
+    """Every group of one epoch in one mode; ``parallel`` groups at a time (0: all at once, as a
+    batch of rollouts runs)."""
+    mode = state.mode
+    spec = None
+    entries = TrajectoryLog.load(state.log.path)
+    if mode in ("spec", "full") and entries:
+        spec = Speculation.from_log(entries, min_duration=min_speculate_s)
+    kwargs = dict(ENV_KWARGS[env_id], memory_mode="copy" if mode == "copy-base" else "share")
+    clock = time.perf_counter()
+    results: list[list] = [[] for _ in recs]
+    spans: list[tuple[float, float]] = []
+    resident = (lambda: state.cache.residency.resident_bytes) if state.cache else None
+
+    def one(k: int) -> None:
+        rec = recs[k]
+        start = time.perf_counter() - clock
+        env_kwargs = dict(kwargs, action_space=rec["kind"]) if env_id == OSWORLD else kwargs
+        results[k] = [(start, *r) for r in replay_group(rec, group, state.cache, spec,
+                                                        None if state.cache else state.log, env_id=env_id,
+                                                        env_kwargs=env_kwargs, kind=rec["kind"], clock=clock)]
+
+    with WorkspaceMemorySampler(extra=resident, clock=clock) as mem, \
+            ThreadPoolExecutor(max_workers=parallel or len(recs) or 1, thread_name_prefix="group") as pool:
+        list(pool.map(one, range(len(recs))))
+    wall = time.perf_counter() - clock
+    served = {"cache": 0, "speculation": 0, "executed": 0}
+    rewards = []
+    for group_res in results:
+        for start, reward, _wall, kinds, end in group_res:
+            rewards.append(reward)
+            spans.append((round(start, 2), round(end, 2)))
+            for kind in kinds:
+                served[kind] += 1
+    total = sum(served.values())
+    trace = [(round(t, 2), m) for t, m in mem.samples]
+    return {
+        "epoch": recs[0]["epoch"] + 1 if recs else 0, "wall_s": round(wall, 2), "served": served,
+        "served_fraction": round((served["cache"] + served["speculation"]) / total, 3) if total else 0.0,
+        "rewards": rewards, "member_spans": spans, "running": running_curve(spans),
+        "memory": memory_figures(trace),
+        "memory_trace": [(t, round(m / 2**20, 1)) for t, m in trace],
+        "memory_parts_at_peak": _parts_at_peak(mem),
+        "cache": state.cache.stats.as_dict() if state.cache else None,
+        "speculation": spec.stats.as_dict() if spec else None,
+    }
+
+
+def _parts_at_peak(mem: WorkspaceMemorySampler) -> dict:
+    if not mem.samples:
+        return {}
+    i = max(range(len(mem.samples)), key=lambda j: mem.samples[j][1])
+    parts = mem.parts[min(i, len(mem.parts) - 1)]
+    return {k: (v if k == "workspaces" else round(v / 2**20, 1)) for k, v in parts.items()}
+
+
+@dataclass
+class Size:
+    tasks: int
+    group: int
+    epochs: int
+
+
+QUICK = Size(tasks=2, group=2, epochs=2)
+DEFAULT = Size(tasks=4, group=4, epochs=3)
+PAPER = Size(tasks=8, group=8, epochs=3)
+
+
+def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str] | None = None,
+        size: Size = DEFAULT, seed: int = 7, modes: tuple[str, ...] = MODES, think: ThinkTime | None = None,
+        parallel: int = 0, min_speculate_s: float = 0.8, replay: str | None = None,
+        figures: str | None = None) -> dict:
+    """Run the benchmark; write the JSON, the printed table (``.txt``) and a PNG per figure
+    next to ``json_path`` (or under ``figures``, a path prefix)."""
+    if env_id not in TASKS:
+        raise ValueError(f"bench epoch: unknown env {env_id!r} (one of {OSWORLD}, {WEBARENA})")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"bench epoch: unknown modes {bad} (known: {', '.join(MODES)})")
+    think = think or ThinkTime()
+    if replay:
+        prev = json.loads(Path(replay).read_text())
+        trajectories, env_id = prev["trajectories"], prev["env"]
+        tasks = list(dict.fromkeys(r["task"] for r in trajectories))
+        size = Size(len(tasks), len(trajectories[0]["members"]), 1 + max(r["epoch"] for r in trajectories))
+        seed, think = prev["seed"], ThinkTime(**prev["think"])
+    else:
+        tasks = tasks or TASKS[env_id][:size.tasks]
+        trajectories = make_trajectories(env_id, tasks, group=size.group, epochs=size.epochs, seed=seed, think=think)
+    calls = sum(len(m["actions"]) for r in trajectories for m in r["members"])
+    load = os.getloadavg()
+    print(f"bench epoch: {env_id}, {len(tasks)} tasks x G={size.group} x {size.epochs} epochs, {calls} tool calls "
+          f"per mode; modes {', '.join(modes)}; {parallel or 'all'} group(s) at a time; load average {load[0]:.1f}")
+    print(f"think time: {think.describe()}")
+    work = Path(tempfile.mkdtemp(prefix="bunshin-bench-epoch-"))
+    states = {m: _ModeState(m, work) for m in modes}
+    res: dict = {"env": env_id, "tasks": tasks, "group": size.group, "epochs": size.epochs, "seed": seed,
+                 "think": asdict(think), "think_distribution": think.describe(), "parallel": parallel,
+                 "modes": {m: {"epochs": []} for m in modes}, "load_average": {}}
+    t_run = time.perf_counter()
+    try:
+        for epoch in range(size.epochs):
+            recs = [r for r in trajectories if r["epoch"] == epoch]
+            # the modes take turns, in an order rotated each epoch, so load drift hits all alike
+            order = list(modes[epoch % len(modes):]) + list(modes[:epoch % len(modes)])
+            for mode in order:
+                e = run_epoch(states[mode], recs, env_id=env_id, group=size.group, parallel=parallel,
+                              min_speculate_s=min_speculate_s)
+                e["load_average_1m"] = round(os.getloadavg()[0], 2)
+                res["modes"][mode]["epochs"].append(e)
+                print(f"  {mode:>10} epoch {epoch + 1}: {e['wall_s']:7.1f} s, served "
+                      f"{e['served_fraction'] * 100:5.1f}% (cache {e['served']['cache']}, spec "
+                      f"{e['served']['speculation']}, executed {e['served']['executed']}), peak "
+                      f"{e['memory']['peak_mb']} MB, {e['memory']['integral_gb_s']} GB*s, load {e['load_average_1m']}",
+                      flush=True)
+    finally:
+        for st in states.values():
+            if st.cache is not None:
+                st.cache.clear()
+        shutil.rmtree(work, ignore_errors=True)
+    res["run_s"] = round(time.perf_counter() - t_run, 1)
+    res["load_average"] = {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in os.getloadavg()]}
+    res["targets"] = evaluate_targets(res)
+    text = summarise(res)
+    print(text)
+    res["trajectories"] = trajectories
+    prefix = figures or (json_path.rsplit(".", 1)[0] if json_path else None)
+    if prefix:
+        Path(prefix + ".txt").parent.mkdir(parents=True, exist_ok=True)
+        Path(prefix + ".txt").write_text(text + "\n")
+        res["figures"] = plot(res, prefix)
+    return write("epoch", res, json_path)
+
+
+def summarise(res: dict) -> str:
+    """The printed table: per mode and epoch, then the targets with ok/NO."""
+    rows = []
+    for mode, m in res["modes"].items():
+        for e in m["epochs"]:
+            rows.append([mode, e["epoch"], e["wall_s"], e["served"]["cache"], e["served"]["speculation"],
+                         e["served"]["executed"], f"{e['served_fraction'] * 100:.1f}%", e["memory"]["peak_mb"],
+                         e["memory"]["integral_gb_s"], f"{sum(e['rewards']) / max(1, len(e['rewards'])):.3f}",
+                         e.get("load_average_1m", "")])
+    lines = [f"{res['env']}: {len(res['tasks'])} tasks x G={res['group']} x {res['epochs']} epochs "
+             f"({res['parallel'] or 'all'} group(s) at a time); think time {res['think_distribution']}",
+             f"load average (1, 5, 15 min) at start {res['load_average'].get('start')}, "
+             f"at end {res['load_average'].get('end')}", "",
+             table(rows, ["mode", "epoch", "wall s", "cache", "spec", "executed", "served", "peak MB", "GB*s",
+                          "mean reward", "load"]), ""]
+    lines.append(table([[t["figure"], t["target"], t["measured"], _mark(t["ok"])] for t in res["targets"]],
+                       ["figure", "target", "measured", "ok"]))
+    return "\n".join(lines)
+
+
+def plot(res: dict, prefix: str) -> dict[str, str]:
+    """One PNG per figure; each title carries its targets' ok/NO."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    marks: dict[str, list[str]] = {}
+    for t in res["targets"]:
+        marks.setdefault(t["figure"], []).append(f"{t['target']}: {t['measured']} [{_mark(t['ok'])}]")
+    modes, out = res["modes"], {}
+
+    def save(fig, ax, name: str, title: str) -> None:
+        ax.set_title("\n".join([title, *marks.get(name, [])]), fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = f"{prefix}-{name.replace('_', '-')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out[name] = path
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(modes)
+    for k, (mode, m) in enumerate(modes.items()):
+        ax.bar([e["epoch"] + (k - len(modes) / 2 + 0.5) * width for e in m["epochs"]],
+               [e["wall_s"] for e in m["epochs"]], width, label=mode)
+    ax.set(xlabel="epoch", ylabel="wall time (s)")
+    save(fig, ax, "epoch_time", f"epoch wall time, {res['env']}")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode, m in modes.items():
+        offset, xs, ys = 0.0, [], []
+        for e in m["epochs"]:
+            xs += [offset + t for t, _ in e["running"]]
+            ys += [n for _, n in e["running"]]
+            offset += e["wall_s"]
+        ax.plot(xs, ys, label=mode)
+    ax.set(xlabel="s (epochs back to back)", ylabel="rollouts running")
+    save(fig, ax, "running", "rollouts still running over time")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode, m in modes.items():
+        offset, xs, ys = 0.0, [], []
+        for e in m["epochs"]:
+            xs += [offset + t for t, _ in e["memory_trace"]]
+            ys += [mb for _, mb in e["memory_trace"]]
+            offset += e["wall_s"]
+        peak = max(e["memory"]["peak_mb"] for e in m["epochs"])
+        integral = sum(e["memory"]["integral_gb_s"] for e in m["epochs"])
+        ax.plot(xs, ys, label=f"{mode} (peak {peak} MB, {integral:.1f} GB*s)")
+    ax.set(xlabel="s (epochs back to back)", ylabel="MB (workspaces' cgroups + page images + monitors)")
+    save(fig, ax, "memory", "memory of the run's workspaces over time")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode, m in modes.items():
+        ax.plot([e["epoch"] for e in m["epochs"]], [100 * e["served_fraction"] for e in m["epochs"]], marker="o",
+                label=mode)
+    ax.set(xlabel="epoch", ylabel="% of tool calls served (cache or speculation)", ylim=(0, 100))
+    save(fig, ax, "hit_rate", "tool calls served from the cache or speculation")
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, (mode, m) in enumerate(modes.items()):
+        ax.plot([e["epoch"] + 0.03 * k for e in m["epochs"]],
+                [sum(e["rewards"]) / max(1, len(e["rewards"])) for e in m["epochs"]], marker="os^D"[k % 4],
+                label=mode)
+    ax.set(xlabel="epoch", ylabel="mean reward")
+    save(fig, ax, "rewards", "reward per epoch and mode (must be identical)")
+    return out
+

@@ -1,0 +1,222 @@
+"""``bunshin bench epoch``: the recorded trajectories, the figures computed from a run, the
+memory of a run's own workspaces, and a quick real run on the desktop env (slow)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from bunshin_gym.bench import epoch as E
+from bunshin_gym.envs.osworld.env import check_computer_13
+from bunshin_gym.envs.webarena.actions import parse_action
+from bunshin_gym.rollout.signature import signature
+from bunshin_gym.workspace import Workspace
+
+
+def _trajs(env_id=E.OSWORLD, n=4, group=8, epochs=3, seed=7):
+    return E.make_trajectories(env_id, E.TASKS[env_id][:n], group=group, epochs=epochs, seed=seed,
+                               think=E.ThinkTime())
+
+
+def test_trajectories_are_reproducible_from_the_seed_and_shaped_as_asked():
+    a, b, c = _trajs(), _trajs(), _trajs(seed=8)
+    assert a == b and a != c
+    assert len(a) == 4 * 3 and {r["epoch"] for r in a} == {0, 1, 2}
+    for r in a:
+        assert len(r["members"]) == 8
+        for m in r["members"]:
+            assert len(m["think"]) == len(m["actions"]) and all(t > 0 for t in m["think"])
+    assert json.loads(json.dumps(a)) == a  # saved with the results as they are
+
+
+def test_desktop_groups_speak_both_action_kinds_and_every_action_is_valid():
+    trajs = _trajs(n=8)
+    kinds = {r["kind"] for r in trajs}
+    assert kinds == {"pyautogui", "computer_13"}
+    for r in trajs:
+        for m in r["members"]:
+            for a in m["actions"]:
+                if r["kind"] == "computer_13":
+                    check_computer_13(a, 1920, 1080)  # raises on a malformed action
+                else:
+                    assert isinstance(a, str)
+                    if a not in ("WAIT", "DONE", "FAIL"):
+                        compile(a, "<action>", "exec")
+            assert m["actions"][-1] in ("DONE", {"action_type": "DONE"})  # every member ends its episode
+
+
+def test_web_actions_parse_and_end_with_stop():
+    for r in _trajs(E.WEBARENA, n=8):
+        assert r["kind"] == "webarena"
+        for m in r["members"]:
+            kinds = [parse_action(a).kind for a in m["actions"]]
+            assert kinds[-1] == "stop" and "stop" not in kinds[:-1]
+
+
+def test_later_epochs_revisit_earlier_prefixes_and_groups_share_them():
+    trajs = _trajs()
+    for task in E.TASKS[E.OSWORLD][:4]:
+        recs = {r["epoch"]: r for r in trajs if r["task"] == task}
+        kind = recs[0]["kind"]
+        first = {tuple(signature(a, kind) for a in m["actions"][:2]) for m in recs[0]["members"]}
+        # the members of one group do not all explore differently
+        assert len(first) < len(recs[0]["members"])
+        for later in (1, 2):
+            revisits = [m for m in recs[later]["members"]
+                        if tuple(signature(a, kind) for a in m["actions"][:2]) in first]
+            assert revisits, f"{task}: epoch {later + 1} revisits no prefix of epoch 1"
+
+
+def test_members_mix_full_and_cut_short_solutions():
+    oracles = {t: E.oracle(E.OSWORLD, t) for t in E.TASKS[E.OSWORLD][:4]}
+    trajs = _trajs()
+    full = cut = 0
+    for r in trajs:
+        solve = E._solution(r["kind"], oracles[r["task"]])
+        last = E.last_real_step(solve)
+        assert not E._is_wait(solve[last])
+        for m in r["members"]:
+            sigs = [signature(a, r["kind"]) for a in m["actions"]]
+            assert all(signature(a, r["kind"]) in sigs for a in solve[:last])
+            if signature(solve[last], r["kind"]) in sigs:
+                full += 1
+            else:
+                cut += 1
+    assert full and cut
+
+
+def test_think_time_is_lognormal_around_the_scaled_median():
+    think = E.ThinkTime(median_s=6.0, sigma=0.6, scale=0.2)
+    rng = random.Random(1)
+    xs = sorted(think.draw(rng) for _ in range(4000))
+    assert 1.1 < xs[len(xs) // 2] < 1.3  # median 6 s * 0.2
+    assert 2.0 < xs[int(0.9 * len(xs))] / xs[len(xs) // 2] < 2.4  # exp(1.2816 * 0.6) = 2.16
+    assert "lognormal" in think.describe() and "0.2" in think.describe()
+
+
+def test_pyautogui_oracle_actions_translate_to_computer_13():
+    assert E.to_computer_13("pyautogui.write('ls\\n')") == [{"action_type": "TYPING", "text": "ls\n"}]
+    assert E.to_computer_13("pyautogui.hotkey('ctrl', 's')") == [{"action_type": "HOTKEY", "keys": ["ctrl", "s"]}]
+    assert E.to_computer_13("pyautogui.press('down', presses=3)") == [{"action_type": "PRESS", "key": "down"}] * 3
+    assert E.to_computer_13("pyautogui.click(900, 700)")[0]["x"] == 900
+    assert E.to_computer_13("import time; time.sleep(0.5)") == [{"action_type": "WAIT"}]
+    assert E.to_computer_13("DONE") == [{"action_type": "DONE"}]
+    with pytest.raises(ValueError):
+        E.to_computer_13("pyautogui.dragTo(1, 2)")
+    with pytest.raises(ValueError):
+        E.to_computer_13("x = 1\ny = 2\nz = 3")
+
+
+def test_bad_sizes_and_envs_are_refused():
+    with pytest.raises(ValueError, match="group >= 1"):
+        E.make_trajectories(E.OSWORLD, ["osworld/terminal-count-lines"], group=0, epochs=1, seed=1,
+                            think=E.ThinkTime())
+    with pytest.raises(ValueError, match="unknown env"):
+        E.run(None, env_id="Bunshin-Nope-v0")
+    with pytest.raises(ValueError, match="unknown modes"):
+        E.run(None, modes=("base",))
+
+
+def test_running_curve_counts_spans_holding_each_instant():
+    curve = E.running_curve([(0.0, 10.0), (0.0, 5.0), (2.0, 4.0)], points=10)
+    assert curve[0] == (0.0, 2) and dict(curve)[3.0] == 3 and dict(curve)[6.0] == 1 and curve[-1] == (10.0, 0)
+    assert E.running_curve([]) == []
+
+
+def test_memory_figures_peak_and_integral():
+    gib = 2**30
+    f = E.memory_figures([(0.0, 0), (1.0, gib), (3.0, gib), (4.0, 0)])
+    assert f == {"peak_mb": 1024.0, "integral_gb_s": 3.0}  # 0.5 + 2 + 0.5 GiB*s
+
+
+def _epoch(n, wall, peak, served, rewards):
+    return {"epoch": n, "wall_s": wall, "served_fraction": served, "rewards": rewards,
+            "memory": {"peak_mb": peak, "integral_gb_s": 1.0}, "served": {"cache": 1, "speculation": 0, "executed": 1},
+            "running": [(0.0, 2), (wall, 0)], "memory_trace": [(0.0, 0.0), (wall, peak)]}
+
+
+def _results(full_wall=70.0, share_peak=500.0, rewards_full=(1.0, 0.0)):
+    modes = {
+        "copy-base": [_epoch(n, 140.0, 1000.0, 0.0, [1.0, 0.0]) for n in (1, 2, 3)],
+        "share-base": [_epoch(n, 100.0, share_peak, 0.0, [1.0, 0.0]) for n in (1, 2, 3)],
+        "spec": [_epoch(n, 90.0, share_peak, 0.2, [1.0, 0.0]) for n in (1, 2, 3)],
+        "full": [_epoch(n, full_wall, share_peak * 1.02, 0.3 * n, list(rewards_full)) for n in (1, 2, 3)],
+    }
+    return {"env": E.OSWORLD, "tasks": ["t"], "group": 2, "epochs": 3, "parallel": 1,
+            "think_distribution": "x", "load_average": {}, "modes": {k: {"epochs": v} for k, v in modes.items()}}
+
+
+def test_targets_are_marked_ok_or_no_from_the_figures():
+    res = _results()
+    marks = {t["target"]: t["ok"] for t in E.evaluate_targets(res)}
+    assert all(marks.values()), marks  # 0.5x memory, 1.4x copy, 1.43x full, +2% memory, 90% served, same rewards
+    res = _results(full_wall=90.0, share_peak=700.0, rewards_full=(0.0, 0.0))
+    marks = {t["target"]: t["ok"] for t in E.evaluate_targets(res)}
+    assert not marks[E.TARGETS[0][0]]  # 0.7x
+    assert not marks[E.TARGETS[2][0]]  # 1.11x
+    assert not marks[E.TARGETS[5][0]]  # rewards differ
+    assert marks[E.TARGETS[1][0]] and marks[E.TARGETS[4][0]]
+
+
+def test_table_and_one_png_per_figure(tmp_path):
+    res = _results(full_wall=90.0)
+    res["targets"] = E.evaluate_targets(res)
+    text = E.summarise(res)
+    assert "full >= 1.25x faster" in text and " NO" in text and " ok" in text
+    out = E.plot(res, str(tmp_path / "epoch-test"))
+    assert set(out) == {"epoch_time", "running", "memory", "hit_rate", "rewards"}
+    for path in out.values():
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workspace_memory_counts_this_process_workspaces_only():
+    before = E.workspace_memory()
+    ws = Workspace.create("base")
+    try:
+        ws.exec("head -c 64m /dev/urandom > /dev/shm/blob")  # 64 MiB charged to its cgroup (shmem)
+        mid = E.workspace_memory()
+        assert mid["workspaces"] == before["workspaces"] + 1
+        assert mid["cgroups"] - before["cgroups"] >= 64 * 2**20
+        snap = ws.snapshot()
+        try:
+            clones = snap.fork(2, mode="share")
+            try:
+                with_clones = E.workspace_memory()
+                assert with_clones["workspaces"] == mid["workspaces"] + 2
+                assert with_clones["page_images"] > 0 and with_clones["monitors"] > 0
+            finally:
+                for c in clones:
+                    c.close()
+        finally:
+            snap.delete()
+    finally:
+        ws.close()
+    after = E.workspace_memory()
+    assert after["workspaces"] == before["workspaces"] and after["cgroups"] <= before["cgroups"] + 2**20
+    # another process's workspaces are not counted
+    assert E.workspace_memory(owner=1)["workspaces"] == 0
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_desktop(tmp_path):
+    """2 tasks x G=2 x 2 epochs in all four modes, on Bunshin-OSWorld-v0 (real desktops)."""
+    path = tmp_path / "epoch-quick.json"
+    doc = E.run(str(path), env_id=E.OSWORLD, size=E.QUICK, seed=3)
+    saved = json.loads(path.read_text())
+    assert saved["trajectories"] == doc["trajectories"] and len(doc["trajectories"]) == 2 * 2
+    assert set(doc["modes"]) == set(E.MODES)
+    for mode, m in doc["modes"].items():
+        assert [e["epoch"] for e in m["epochs"]] == [1, 2]
+        for e in m["epochs"]:
+            assert len(e["rewards"]) == 2 * 2
+            assert e["memory"]["peak_mb"] > 0, mode  # the run's own workspaces, measured
+    rewards = {t["target"]: t for t in doc["targets"]}[E.TARGETS[5][0]]
+    assert rewards["ok"], doc["modes"]
+    assert sum(doc["modes"]["full"]["epochs"][1]["served"][k] for k in ("cache", "speculation")) > 0
+    for png in doc["figures"].values():
+        assert (tmp_path / png.rsplit("/", 1)[1]).exists()
+    assert (tmp_path / "epoch-quick.txt").read_text().count(" ok") + \
+        (tmp_path / "epoch-quick.txt").read_text().count(" NO") >= 5
