@@ -111,14 +111,36 @@ def test_marshalling_round_trip_of_the_signatures_atspi_uses():
     assert r.read(sig) == [*values[:9], "héllo"]
 
 
-def test_a_method_call_message_is_well_formed():
+@pytest.mark.parametrize(("sig", "values"), [
+    ("v", [("s", "héllo")]), ("v", [("i", -5)]), ("v", [("u", 7)]), ("v", [("d", 2.5)]), ("au", [[1, 2**31]]),
+    ("au", [[]]), ("u", [3]), ("i", [-3]), ("(iiii)", [(1, -2, 3, 4)]), ("s", ["abc"]), ("(so)", [(":1.2", "/a/b")]),
+    ("a(so)", [[(":1.2", "/x"), ("a", "/yy")]]), ("a(so)", [[]]), ("as", [["a", "bcd", ""]]), ("as", [[]])])
+def test_reply_bodies_read_directly_equal_the_generic_reader(sig, values):
+    w = a11y._Writer()
+    w.write(sig, values)
+    body = bytes(w.buf)
+    fast = a11y._read_body(sig, body)
+    assert fast == a11y._Reader(body).read(sig)
+    assert [v[1] if sig == "v" else v for v in values] == fast
+
+
+@pytest.mark.parametrize(("dest", "sig", "args"), [
+    ("org.a11y.atspi.Registry", "", ()), (None, "ii", (0, -1)), (":1.2", "ss", (a11y.ACC, "Name")),
+    (None, "iiu", (5, 6, 0)), (None, "(aiia{ss}iaiiasib)uib", (([1, 0], 1, [], 1, [], 1, [], 1, False), 1, 0, True))])
+def test_method_call_messages_are_well_formed(dest, sig, args):
     w = object.__new__(a11y.Wire)
-    w.serial = 41
-    msg = w._message("org.a11y.atspi.Registry", "/org/a11y/atspi/accessible/root", a11y.ACC, "GetChildren", "", ())
-    assert msg[:4] == b"l\x01\x00\x01" and struct.unpack_from("<II", msg, 4) == (0, 42) and len(msg) % 8 == 0
-    fields = dict(a11y._Reader(msg, 12).value("a(yv)"))
-    assert fields == {1: "/org/a11y/atspi/accessible/root", 2: a11y.ACC, 3: "GetChildren",
-                      6: "org.a11y.atspi.Registry"}
+    w.serial, w._fixed = 41, {}
+    for serial in (42, 43):  # the second from the cached header part
+        msg = w._message(dest, "/org/a11y/atspi/accessible/root", a11y.ACC, "M", sig, args)
+        body_len, got_serial, fields_len = struct.unpack_from("<III", msg, 4)
+        assert msg[:4] == b"l\x01\x00\x01" and got_serial == serial
+        start = 16 + fields_len + (-(16 + fields_len) % 8)
+        assert len(msg) == start + body_len
+        fields = dict(a11y._Reader(msg, 12).value("a(yv)"))
+        assert fields == {1: "/org/a11y/atspi/accessible/root", 2: a11y.ACC, 3: "M",
+                          **({6: dest} if dest else {}), **({8: sig} if sig else {})}
+        body = a11y._Reader(msg[start:]).read(sig) if sig else []
+        assert body == [list(a) if isinstance(a, list) else a for a in args]
 
 
 def test_a_bad_bus_address_is_a_clear_error():
@@ -142,24 +164,52 @@ def env():
     e.close()
 
 
+def _app_names_as_libatspi(fast: str, old: str) -> str:
+    """``fast`` with each application's name blanked where the old dump has it blank.
+
+    libatspi fills an application's name from its own cache, which a short-lived client
+    reads before or after the app's reply arrives: the old walker gives "" or the app's
+    name ("soffice") for the same desktop from one run to the next; the fast walker asks
+    the app. Only that attribute of ``<application>`` elements is matched this way."""
+    blank = {i for i, line in enumerate(old.split("\n")) if line == '  <application name="">'}
+    return "\n".join('  <application name="">' if i in blank and line.startswith("  <application name=") else line
+                     for i, line in enumerate(fast.split("\n")))
+
+
+def _compare_live(u, rounds: int = 3) -> str:
+    """A fast dump equal to an old walker's dump taken just before or after it (a live
+    desktop may change between two dumps; the old walker on a busy host now and then gets
+    no answer from the registry and gives an empty tree), in one of ``rounds`` tries."""
+    for _ in range(rounds):
+        # the old walker with room to finish: its 8 s default cuts the tree on a busy host
+        before = u.accessibility_tree(walker="old", seconds=120)
+        fast = u.accessibility_tree()
+        after = u.accessibility_tree(walker="old", seconds=120)
+        if any(_app_names_as_libatspi(fast, old) == old for old in (before, after)):
+            return fast
+    assert 'source="x11"' not in before, "AT-SPI did not answer the old walker"
+    raise AssertionError(_first_difference(_app_names_as_libatspi(fast, before), before))
+
+
 @pytest.mark.parametrize("task_id", list(LIVE_TASKS))
 def test_fast_walker_gives_the_old_walkers_tree(env, task_id):
     env.reset(options={"task": task_id})
     time.sleep(2)
     u = env.unwrapped
-    # the old walker with room to finish (its 8 s default cuts the tree on a busy host);
-    # a live desktop may change between two dumps, so the fast dump is taken between two
-    # old ones and must equal one of them
-    before = u.accessibility_tree(walker="old", seconds=120)
-    fast = u.accessibility_tree()
-    after = u.accessibility_tree(walker="old", seconds=120)
-    assert 'source="x11"' not in before, "AT-SPI did not answer the old walker"
-    assert fast in (before, after), _first_difference(fast, before)
+    fast = _compare_live(u)
+    assert 'source="x11"' not in fast and fast.count("\n") >= 1
     marker = LIVE_TASKS[task_id]
     if marker:
         assert marker in fast
     if task_id == "osworld/calc-max-sales":
         assert fast.count("<table-cell ") > 100
+        # the fast walker asks the cell objects of its last dump again: they must show a
+        # cell's new content (typed into the selected cell), as a fresh object does
+        _, _, _, _, info = env.step("pyautogui.write('4242\\n')")
+        assert "error" not in info, info
+        time.sleep(1)
+        fast = _compare_live(u)
+        assert ">4242</table-cell>" in fast
 
 
 def _first_difference(a: str, b: str) -> str:
@@ -167,6 +217,14 @@ def _first_difference(a: str, b: str) -> str:
         if x != y:
             return f"line {i}: fast {x!r} != old {y!r}"
     return f"lengths differ: {a.count(chr(10))} vs {b.count(chr(10))} lines"
+
+
+def test_app_names_blank_only_where_libatspi_left_them_blank():
+    fast = '<d>\n  <application name="soffice">\n    <frame name="x"/>\n  </application>\n</d>'
+    assert _app_names_as_libatspi(fast, fast.replace('"soffice"', '""')) == fast.replace('"soffice"', '""')
+    assert _app_names_as_libatspi(fast, fast) == fast
+    other = fast.replace('name="x"', 'name=""')
+    assert _app_names_as_libatspi(fast, other.replace('"soffice"', '""')) != other.replace('"soffice"', '""')
 
 
 def test_bad_walker_is_refused(env):

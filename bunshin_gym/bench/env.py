@@ -6,7 +6,10 @@ format of :mod:`bunshin_gym.bench.report`.
 
 Bunshin-OSWorld-v0 measures:
 - step latency (action + screenshot, ``settle=0``) for both action spaces, with the action
-  and screenshot parts apart, and the accessibility-tree dump on its own;
+  and screenshot parts apart;
+- the accessibility-tree dump per app (Calc, the terminal, the text editor, chromium: one task
+  each), the fast walker and the old libatspi walker side by side in turns, whether both
+  gave the same XML, and how much private memory the desktop's processes grew per dump;
 - memory of 1, 8 and 16 clones of one task's workspace (after reset) in "share" and
   "copy": distinct resident pages of the group counted once and the sum of PSS, right
   after restore and after each clone did one action.
@@ -25,7 +28,7 @@ import gymnasium as gym
 
 from bunshin_gym.bench.report import summary, table, write
 from bunshin_gym.workspace.memory import MemoryMode
-from bunshin_gym.workspace.memstat import group_memory
+from bunshin_gym.workspace.memstat import group_memory, rollup
 
 KSM_SETTLE_S = 20.0
 
@@ -100,18 +103,58 @@ def _osworld_latency(space: str, task: str, steps: int) -> dict:
         env.close()
 
 
-def _osworld_a11y(task: str, n: int = 5) -> dict:
+#: app -> a task that opens it (the terminal: xterm, which has no AT-SPI: only the other apps)
+TREE_TASKS = {"calc": "osworld/calc-max-sales", "terminal": "osworld/terminal-count-lines",
+              "text editor": "osworld/editor-fix-port", "chromium": "osworld/chrome-open-about"}
+WALKERS = ("old", "fast")
+
+
+def _private_bytes(pids: list[int]) -> int:
+    r = rollup(pids)
+    return r["Private_Clean"] + r["Private_Dirty"]
+
+
+def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
+    """Accessibility-tree dump time per app, old and fast walker in turns on the same desktop
+    (so load on a shared host hits both alike); each walker's first dump is a warm-up (the
+    fast walker keeps tables between dumps) and not timed. ``private_kb_per_dump``: growth of
+    the desktop processes' private memory per timed dump (Calc keeps every cell object an
+    AT-SPI client asks for)."""
+    out: dict = {}
     env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
     try:
-        env.reset(options={"task": task})
-        samples, size = [], 0
-        for _ in range(n):
-            t0 = time.perf_counter()
-            size = len(env.unwrapped.accessibility_tree())
-            samples.append(time.perf_counter() - t0)
-        return {"task": task, "dump": summary(samples), "chars": size}
+        for app, task in (tasks or TREE_TASKS).items():
+            print(f"  accessibility tree, {app} ({task}) ...", flush=True)
+            env.reset(options={"task": task})
+            time.sleep(2)
+            u = env.unwrapped
+            pids = u.workspace.pids()
+            trees = {w: u.accessibility_tree(walker=w, seconds=120) for w in WALKERS}
+            samples: dict[str, list[float]] = {w: [] for w in WALKERS}
+            grown = dict.fromkeys(WALKERS, 0)
+            same = trees["old"] == trees["fast"]
+            for _ in range(n):
+                for w in WALKERS:
+                    before = _private_bytes(pids)
+                    t0 = time.perf_counter()
+                    trees[w] = u.accessibility_tree(walker=w, seconds=120)
+                    samples[w].append(time.perf_counter() - t0)
+                    grown[w] += _private_bytes(pids) - before
+                same = same and trees["old"] == trees["fast"]
+            out[app] = {"task": task, "lines": trees["fast"].count("\n") + 1, "same_xml": same,
+                        **{w: summary(samples[w]) for w in WALKERS},
+                        "private_kb_per_dump": {w: round(grown[w] / n / 1024) for w in WALKERS}}
     finally:
         env.close()
+    return out
+
+
+def tree_table(res: dict) -> str:
+    rows = [[app, r["lines"], r["old"]["median_ms"], r["fast"]["median_ms"],
+             round(r["old"]["median_ms"] / max(r["fast"]["median_ms"], 1e-9), 1), r["same_xml"],
+             r["private_kb_per_dump"]["old"], r["private_kb_per_dump"]["fast"]] for app, r in res.items()]
+    return table(rows, ["app", "lines", "old median ms", "fast median ms", "speed-up", "same XML",
+                        "old private kB/dump", "fast private kB/dump"])
 
 
 def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes: tuple[str, ...] = ("share", "copy"),
@@ -120,8 +163,7 @@ def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes:
     for space in ("pyautogui", "computer_13"):
         print(f"  step latency, {space} ({steps} steps) ...", flush=True)
         res["latency"][space] = _osworld_latency(space, task, steps)
-    print("  accessibility tree dump ...", flush=True)
-    res["a11y_tree"] = _osworld_a11y(task)
+    res["a11y_tree"] = osworld_tree()
     env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
     try:
         env.reset(options={"task": task})
@@ -134,9 +176,11 @@ def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes:
     lat = res["latency"]
     rows = [[f"{space}: {part}", lat[space][part]["median_ms"], lat[space][part]["p90_ms"]]
             for space in lat for part in ("step", "action_in_workspace", "screenshot")]
-    rows.append(["accessibility tree dump", res["a11y_tree"]["dump"]["median_ms"], res["a11y_tree"]["dump"]["p90_ms"]])
     print()
     print(table(rows, ["measure (1920x1080)", "median ms", "p90 ms"]))
+    print()
+    print("accessibility tree per app (old: libatspi walker; fast: batched D-Bus calls)")
+    print(tree_table(res["a11y_tree"]))
     mrows = []
     for mode, by_n in res["clones"].items():
         for n, row in by_n.items():

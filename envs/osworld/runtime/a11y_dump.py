@@ -395,6 +395,72 @@ class _Writer:
             self.write(t[1:-1], v)
 
 
+def _pack_strings(*strings: str) -> bytes:
+    out = b""
+    for s in strings:
+        b = s.encode()
+        out += b"\x00" * (-len(out) % 4) + struct.pack("<I", len(b)) + b + b"\x00"
+    return out
+
+
+#: bodies of the signatures asked most, packed directly (the generic writer otherwise)
+_BODY_PACKERS = {"": lambda: b"", "ss": _pack_strings, "u": struct.Struct("<I").pack, "i": struct.Struct("<i").pack,
+                 "ii": struct.Struct("<ii").pack, "iiu": struct.Struct("<iiI").pack}
+
+
+def _string_at(body: bytes, pos: int) -> tuple[str, int]:
+    """The string starting at ``pos`` (aligned already) and the offset past it."""
+    n = struct.unpack_from("<I", body, pos)[0]
+    return body[pos + 4:pos + 4 + n].decode("utf-8", "replace"), pos + 5 + n
+
+
+def _read_body(sig: str, body: bytes) -> list:
+    """A reply's values: the replies AT-SPI gives most read directly, others generically."""
+    if not sig:
+        return []
+    if sig == "v":
+        n = body[0]
+        inner = body[1:1 + n].decode()
+        pos = 2 + n
+        if inner == "s":
+            pos += -pos % 4
+            return [_string_at(body, pos)[0]]
+        if inner in ("i", "u"):
+            pos += -pos % 4
+            return [struct.unpack_from("<i" if inner == "i" else "<I", body, pos)[0]]
+    elif sig == "au":
+        n = struct.unpack_from("<I", body, 0)[0]
+        return [list(struct.unpack_from(f"<{n // 4}I", body, 4))]
+    elif sig == "u":
+        return [struct.unpack_from("<I", body, 0)[0]]
+    elif sig == "i":
+        return [struct.unpack_from("<i", body, 0)[0]]
+    elif sig == "(iiii)":
+        return [struct.unpack_from("<iiii", body, 0)]
+    elif sig in ("s", "(so)", "a(so)", "as"):
+        if sig == "s":
+            return [_string_at(body, 0)[0]]
+        if sig == "(so)":
+            a, pos = _string_at(body, 0)
+            return [(a, _string_at(body, pos + (-pos % 4))[0])]
+        # an array's length counts bytes from its first element, which starts aligned
+        pos = 4 if sig == "as" else 8
+        end, items = pos + struct.unpack_from("<I", body, 0)[0], []
+        if sig == "as":
+            while pos < end:
+                v, pos = _string_at(body, pos)
+                items.append(v)
+                pos += -pos % 4
+            return [items]
+        while pos < end:
+            a, pos = _string_at(body, pos)
+            b, pos = _string_at(body, pos + (-pos % 4))
+            items.append((a, b))
+            pos += -pos % 8
+        return [items]
+    return _Reader(body).read(sig)
+
+
 class WireError(Exception):
     """The connection failed (not one call: that is a :class:`CallFailed` in its slot)."""
 
@@ -417,6 +483,7 @@ class Wire:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.serial = 0
+        self._fixed: dict[tuple, bytes] = {}
         self.rbuf, self.rpos = b"", 0
         # a bus refuses more than max_replies_per_connection (128 by default) pending calls
         self.window = WINDOW if bus else 4096
@@ -447,20 +514,35 @@ class Wire:
         return buf[:-2]
 
     def _message(self, dest: str | None, path: str, iface: str, member: str, sig: str, args) -> bytes:
+        """A method call. The header fields but the path are the same for every call of a
+        member: they are marshalled once, the path appended last (its entry starts 8-aligned
+        as every header field does, the fields array starting at offset 16)."""
         self.serial += 1
-        body = _Writer()
-        if sig:
-            body.write(sig, args)
-        fields = [(1, ("o", path)), (2, ("s", iface)), (3, ("s", member))]
-        if dest:
-            fields.append((6, ("s", dest)))
-        if sig:
-            fields.append((8, ("g", sig)))
-        head = _Writer()
-        head.buf += struct.pack("<cBBBII", b"l", 1, 0, 1, len(body.buf), self.serial)
-        head.value("a(yv)", fields)
-        head.align(8)
-        return bytes(head.buf + body.buf)
+        key = (dest, iface, member, sig)
+        fixed = self._fixed.get(key)
+        if fixed is None:
+            w = _Writer()
+            w.buf += bytes(16)  # the fixed header, so that alignment counts from the message start
+            fields = [(2, ("s", iface)), (3, ("s", member))]
+            if dest:
+                fields.append((6, ("s", dest)))
+            if sig:
+                fields.append((8, ("g", sig)))
+            for f in fields:
+                w.value("(yv)", f)
+            w.align(8)
+            fixed = self._fixed[key] = bytes(w.buf[16:])
+        p = path.encode()
+        fields = fixed + b"\x01\x01o\x00" + struct.pack("<I", len(p)) + p + b"\x00"
+        pack = _BODY_PACKERS.get(sig)
+        if pack is not None:
+            body = pack(*args)
+        else:
+            w = _Writer()
+            w.write(sig, args)
+            body = bytes(w.buf)
+        return b"".join((struct.pack("<cBBBIII", b"l", 1, 0, 1, len(body), self.serial, len(fields)), fields,
+                         b"\x00" * (-len(fields) % 8), body))
 
     def call_many(self, calls: list[tuple]) -> list:
         """``calls``: (destination or None, path, interface, member, signature, args); each
@@ -483,7 +565,7 @@ class Wire:
                 if kind not in (2, 3) or not 0 <= i < len(calls):
                     continue  # a signal, or a reply to nothing of this batch
                 if kind == 2:
-                    results[i] = _Reader(body).read(sig) if sig else []
+                    results[i] = _read_body(sig, body)
                 else:
                     results[i] = CallFailed(error, _Reader(body).read(sig)[0] if sig.startswith("s") else "")
                 left -= 1
@@ -499,13 +581,37 @@ class Wire:
         body_len, fields_len = struct.unpack_from("<I", head, 4)[0], struct.unpack_from("<I", head, 12)[0]
         rest = self._recv(fields_len + (-(16 + fields_len) % 8) + body_len)
         reply_to, sig, error = 0, "", ""
-        for code, value in _Reader(head + rest[:fields_len], 12).value("a(yv)"):
-            if code == 5:
-                reply_to = value
-            elif code == 8:
-                sig = value
-            elif code == 4:
-                error = value
+        # the header fields a reply carries: (code, variant) structs, each 8-aligned from the
+        # message start (offset 16 here is offset 0 of ``rest``); read without the generic
+        # reader, which cost more than the rest of the walk
+        pos = 0
+        while pos < fields_len:
+            pos += -pos % 8
+            code, n = rest[pos], rest[pos + 1]
+            t = rest[pos + 2:pos + 2 + n]
+            pos += 3 + n
+            if t in (b"s", b"o"):
+                pos += -(pos + 16) % 4
+                ln = struct.unpack_from("<I", rest, pos)[0]
+                value = rest[pos + 4:pos + 4 + ln].decode()
+                pos += 5 + ln
+                if code == 4:
+                    error = value
+            elif t == b"g":
+                ln = rest[pos]
+                value = rest[pos + 1:pos + 1 + ln].decode()
+                pos += 2 + ln
+                if code == 8:
+                    sig = value
+            elif t == b"u":
+                pos += -(pos + 16) % 4
+                if code == 5:
+                    reply_to = struct.unpack_from("<I", rest, pos)[0]
+                pos += 4
+            else:  # a field of another type: the generic reader for them all
+                for c, v in _Reader(head + rest[:fields_len], 12).value("a(yv)"):
+                    reply_to, sig, error = (v if c == 5 else reply_to), (v if c == 8 else sig), (v if c == 4 else error)
+                break
         return kind, reply_to, sig, error, rest[len(rest) - body_len:]
 
     def _recv(self, n: int) -> bytes:
