@@ -33,7 +33,7 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from bunshin_gym.serve.registry import Registry, ServeError
-from bunshin_gym.serve.sandbox import DEFAULT_USER, Command, FsError, Sandbox, resolve
+from bunshin_gym.serve.sandbox import DEFAULT_USER, Command, Paused, Sandbox, resolve
 from bunshin_gym.workspace import WorkspaceError
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.002, 1.5, 0.1
 #: a stream that ends this close to its deadline ended by it (connectrpc cancels it at the
 #: deadline, the client closes it at its own, a little earlier)
 DEADLINE_SLACK = 0.5
+
+#: the largest upload (one request; a file is written in one agent request, held in memory)
+MAX_UPLOAD = 256 << 20
 
 _STATUS_CODES = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 403: Code.PERMISSION_DENIED,
                  404: Code.NOT_FOUND, 409: Code.ALREADY_EXISTS, 429: Code.RESOURCE_EXHAUSTED}
@@ -82,6 +85,8 @@ def user_of(headers) -> str:
 def _connect_error(e: Exception) -> ConnectError:
     if isinstance(e, ConnectError):
         return e
+    if isinstance(e, Paused):
+        return ConnectError(Code.UNAVAILABLE, str(e))
     if isinstance(e, ServeError):
         return ConnectError(_STATUS_CODES.get(e.status, Code.INTERNAL), str(e))
     if isinstance(e, WorkspaceError):
@@ -350,6 +355,8 @@ def files_router(registry: Registry) -> APIRouter:
             if path is None:
                 raise ServeError("the path query parameter is required", 400)
             data = await asyncio.to_thread(sb.read_file, path)
+        except Paused as e:
+            return _error(502, str(e))
         except ServeError as e:
             return _error(e.status, str(e))
         except WorkspaceError as e:
@@ -360,6 +367,9 @@ def files_router(registry: Registry) -> APIRouter:
     @router.post("/files")
     async def upload(request: Request) -> Response:
         try:
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > MAX_UPLOAD:
+                raise ServeError(f"the upload is {int(length)} bytes, over the limit of {MAX_UPLOAD}", 413)
             sb, user, path = _target(request)
             files: list[tuple[str, bytes]] = []
             ctype = request.headers.get("content-type", "")
@@ -387,8 +397,8 @@ def files_router(registry: Registry) -> APIRouter:
                 raise ServeError("no file in the upload", 400)
             for name, data in files:
                 await asyncio.to_thread(sb.write_file, name, data, user)
-        except FsError as e:
-            return _error(e.status, str(e))
+        except Paused as e:
+            return _error(502, str(e))
         except ServeError as e:
             return _error(e.status, str(e))
         except WorkspaceError as e:

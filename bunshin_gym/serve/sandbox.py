@@ -127,6 +127,11 @@ except OSError as e:
 """
 
 
+class Paused(Conflict):
+    """The sandbox is paused (409 on the REST API; envd answers UNAVAILABLE, as E2B's proxy does
+    for a sandbox that is not running)."""
+
+
 class FsError(ServeError):
     """A file operation failed inside the sandbox; ``errno`` says how."""
 
@@ -175,7 +180,7 @@ class Sandbox(Lease):
 
     def workspace(self) -> Workspace:
         if self.ws is None:
-            raise Conflict(f"sandbox {self.id} is paused: connect to resume it first")
+            raise Paused(f"sandbox {self.id} is paused: connect to resume it first")
         return self.ws
 
     def reclaim(self) -> None:

@@ -158,7 +158,10 @@ def test_pause_resume_keeps_memory(server, sandbox, opts):
     assert Sandbox.list(**opts).next_items()[0].state.value == "paused"
     with pytest.raises(SandboxException):
         sandbox.commands.run("true")
+    with pytest.raises(SandboxException):  # not "already exists": the sandbox is paused
+        sandbox.files.make_dir("/tmp/new-dir")
     sandbox.connect()
+    assert sandbox.files.make_dir("/tmp/new-dir") is True
     # the same process, memory and all, runs again
     assert sandbox.commands.run(f"cat /proc/{pid}/cmdline | tr '\\0' ' '", user="root").stdout.startswith("python3")
     assert sandbox.get_info().state.value == "running"
