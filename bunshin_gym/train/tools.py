@@ -134,6 +134,20 @@ class DictAdapter(ActionAdapter):
         return "action", dict(action)
 
 
+class WebAdapter(ActionAdapter):
+    """The web env: tool ``browser`` with one action string, WebArena's (``click [12]``) or
+    BrowserGym's (``click('12')``); ``stop [answer]`` / ``send_msg_to_user(...)`` end the episode."""
+
+    def convert(self, call: ToolCall) -> Any | ToolCallError:
+        action = call.arguments.get("action")
+        if call.name != "browser" or not isinstance(action, str) or not action.strip():
+            return ToolCallError("call the tool \"browser\" with an \"action\" string, e.g. click [12]")
+        return action
+
+    def from_action(self, action: Any) -> tuple[str, dict]:
+        return "browser", {"action": action}
+
+
 SHELL = ShellAdapter([
     _fn("shell", "Run a bash command in the workspace (as user, in /home/user); returns its output and exit code.",
         {"command": "the command line"}),
@@ -144,7 +158,12 @@ DESKTOP = DictAdapter([
         "arguments (x, y, text, key, keys, ...).", {"action_type": "the action's type"}),
     _fn("done", "Say the task is complete."),
 ])
-ADAPTERS = {"Bunshin-Shell-v0": SHELL, "Bunshin-OSWorld-v0": DESKTOP}
+WEB = WebAdapter([
+    _fn("browser", "Do one browser action: WebArena's (click [id], type [id] [text] [1], goto [url], scroll [down], "
+        "stop [answer]) or BrowserGym's (click('id'), fill('id', 'text'), send_msg_to_user('answer')).",
+        {"action": "the action string"}),
+], give_up="stop [N/A]", finish={})
+ADAPTERS = {"Bunshin-Shell-v0": SHELL, "Bunshin-OSWorld-v0": DESKTOP, "Bunshin-WebArena-v0": WEB}
 
 
 def adapter_for(env_id: str) -> ActionAdapter:
