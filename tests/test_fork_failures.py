@@ -151,3 +151,51 @@ def test_killing_a_clone_never_affects_siblings_source_or_snapshot(mode):
     assert not leftovers([ws.id, *(c.id for c in clones)])
     if snap is not None:
         snap.delete()
+
+
+def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_runs(monkeypatch):
+    """The clones of a fork start side by side (records, cgroups, files, restores): when one
+    fails to start (its file system: an injected ENOSPC on the third), the restores that did
+    start are stopped and reaped, every clone's record, subvolume and cgroup is gone, the
+    error is raised, and the source and the snapshot are as they were (a later fork works)."""
+    import threading
+
+    from bunshin_gym.workspace import records
+    from bunshin_gym.workspace import snapshot as snapshot_mod
+    from bunshin_gym.workspace.cgroups import Cgroup
+
+    ws = Workspace.create("base", memory_mode="share")
+    snap = None
+    try:
+        ws.write_file("/root/kept", "kept\n")
+        snap = ws.snapshot()
+        subvols_before = set(os.listdir(paths().workspaces))
+        real, calls, lock = snapshot_mod.pool.snapshot_subvolume, [], threading.Lock()
+
+        def third_fails(src, dst, readonly=False):
+            with lock:
+                calls.append(dst)
+                n = len(calls)
+            if n == 3:
+                raise OSError(28, "No space left on device (injected)", str(dst))
+            return real(src, dst, readonly)
+
+        monkeypatch.setattr(snapshot_mod.pool, "snapshot_subvolume", third_fails)
+        with pytest.raises(OSError, match="injected"):
+            snap.fork(6)
+        monkeypatch.undo()
+        assert len(calls) == 6  # the other clones were started: they are what must be cleaned up
+        left = [r.id for r in records.all_records() if r.snapshot == snap.id]
+        assert not left, f"records left: {left}"
+        assert set(os.listdir(paths().workspaces)) - subvols_before == set()
+        assert not [p.name for p in calls if Cgroup(p.name).exists()]
+        assert ws.exec("cat /root/kept").text == "kept\n"
+        [clone] = snap.fork(1)
+        try:
+            assert clone.exec("cat /root/kept").text == "kept\n"
+        finally:
+            clone.close()
+    finally:
+        ws.close()
+        if snap is not None:
+            snap.delete()

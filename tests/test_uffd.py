@@ -119,11 +119,13 @@ def test_semantics_in_clone_and_its_forked_children():
             assert "uffd" in c._rec.extra
             res = _results(c, pid)
             print(f"\n{c.id}: {res}")
+            # the monitor writes its counters a moment after the events: wait for all of them
             st = uffd.stats(c.id) or {}
-            deadline = time.monotonic() + 3
-            while st.get("remove", 0) == 0 and time.monotonic() < deadline:
+            deadline = time.monotonic() + 10
+            while not (st.get("remove", 0) > 0 and st.get("fork", 0) >= 2 and st.get("remap", 0) >= 1) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.2)
-                st = uffd.stats(c.id)
+                st = uffd.stats(c.id) or {}
             print(f"{c.id} monitor: {st}")
             assert res["free_rc"] == -1 and res["free_errno"] == 22, "MADV_FREE must fail with EINVAL"
             bad = _violations(res)
