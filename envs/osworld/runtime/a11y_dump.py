@@ -1,11 +1,19 @@
 """Dump the desktop's accessibility tree (AT-SPI) as XML, in the shape of OSWorld's.
 
 Run inside the workspace as a short-lived process (a live accessibility connection from
-outside would block CRIU): ``python3 a11y_dump.py [--max-nodes N]``. Elements are named
-after AT-SPI roles (``push-button``, ``frame``...), attributes ``name``, ``st:*`` states,
-``cp:screencoord`` / ``cp:size`` and the text of text elements. Only showing elements are
-kept; a table with thousands of children (a Calc sheet reports 2^31-1) is not iterated:
-its visible cells are read through the table interface instead.
+outside would block CRIU): ``python3 a11y_dump.py [--walker fast|old] [--max-nodes N]
+[--seconds S]``. Elements are named after AT-SPI roles (``push-button``, ``frame``...),
+attributes ``name``, ``st:*`` states, ``cp:screencoord`` / ``cp:size`` and the text of text
+elements. Only showing elements are kept; a table with thousands of children (a Calc sheet
+reports 2^31-1) is not iterated: its visible cells are read through the table interface.
+
+Two walkers give the same XML. ``old`` (:class:`Dumper`) asks libatspi one question at a
+time. ``fast`` (the default, :class:`FastWalker`) speaks D-Bus itself, peer to peer to each
+app, and asks each tree level's questions in one batch; it keeps two small files in
+``$XDG_RUNTIME_DIR`` between dumps: libatspi's role names (so that no dump but the first
+loads the Atspi typelib) and the Calc cell objects of the last dump (Calc never frees a cell
+object an AT-SPI client asks for, so they are asked again instead of made anew). If the
+fast walker fails it says so on stderr and the old one runs.
 
 If AT-SPI is unavailable (no bus, no registry), it falls back to the X window tree
 (``<desktop-frame source="x11">`` with each top-level window's name, class and geometry).
