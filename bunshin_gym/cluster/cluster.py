@@ -28,13 +28,28 @@ from bunshin_gym.cluster.placement import Decision, Placer
 log = logging.getLogger(__name__)
 
 
-def start_local_ray(num_cpus: int = 1, object_store_mb: int = 100) -> None:
+def start_local_ray(num_cpus: int = 1, object_store_mb: int = 100, tries: int = 3) -> None:
     """A small Ray instance on this machine for simulated hosts: no dashboard, a small object
-    store; always a new one (``address="local"``: never a stale cluster's address)."""
+    store; always a new one (``address="local"``: never a stale cluster's address).
+
+    On a loaded machine Ray's node start can time out (its raylet waits a fixed 30 s for its
+    agents, Python processes that take that long to import under load): it is tried again,
+    ``tries`` times in all, with the agents' registration timeout raised."""
+    import os
+
     import ray
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_mb << 20,
-             log_to_driver=False, configure_logging=False)
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")  # read by the raylet Ray starts
+    for attempt in range(1, tries + 1):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     object_store_memory=object_store_mb << 20, log_to_driver=False, configure_logging=False)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node times out
+            ray.shutdown()
+            if attempt == tries:
+                raise
+            log.warning("starting Ray failed (try %d of %d): %s", attempt, tries, _first_line(e))
 
 
 @dataclass

@@ -117,12 +117,14 @@ class HostActor:
         """Who and where this host is, and what it holds and did."""
         import ray
 
+        from bunshin_gym.workspace import records
         from bunshin_gym.workspace.snapshot import SnapshotStore
 
         with self._lock:
             load, work = self._load, dict(self._work)
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "pool": str(self.p.pool), "run": str(self.p.run), "load": load, "work": work,
+                "workspaces": sorted(records.all_ids(self.p)),
                 "snapshots": sorted(s.id for s in SnapshotStore(self.p).list()),
                 "memory_bytes": self._memory(), "peak_memory_bytes": self._peak,
                 "cache": self.cache.stats.as_dict()}
