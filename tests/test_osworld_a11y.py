@@ -98,6 +98,23 @@ def test_huge_table_cells_and_the_node_limit():
     assert len(lines(a11y.build_xml([app(*many)], max_nodes=3))) == 2 + 2  # app, 2 labels, close
 
 
+@pytest.mark.parametrize("value", ["", "plain", 'say "hi"', "it's", """both ' and " """, "a<b>&c", "l1\nl2\r\tx",
+                                   "ünï\u2028"])
+def test_escape_and_quoteattr_are_saxutils(value):
+    from xml.sax import saxutils
+
+    assert a11y.escape(value) == saxutils.escape(value)
+    assert a11y.quoteattr(value) == saxutils.quoteattr(value)
+
+
+def test_command_line():
+    assert a11y.parse_args([]) == ("fast", 3000, 8.0)
+    assert a11y.parse_args(["--walker", "old", "--max-nodes", "5", "--seconds", "1.5"]) == ("old", 5, 1.5)
+    for bad in (["--walker", "slow"], ["--max-nodes", "x"], ["--depth", "3"], ["extra"]):
+        with pytest.raises(SystemExit):
+            a11y.parse_args(bad)
+
+
 # the wire protocol -------------------------------------------------------------------------
 def test_marshalling_round_trip_of_the_signatures_atspi_uses():
     sig = "(so)iu(iiii)a(so)asaud(ss)v"

@@ -118,8 +118,9 @@ def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
     """Accessibility-tree dump time per app, old and fast walker in turns on the same desktop
     (so load on a shared host hits both alike); each walker's first dump is a warm-up (the
     fast walker keeps tables between dumps) and not timed. ``private_kb_per_dump``: growth of
-    the desktop processes' private memory per timed dump (Calc keeps every cell object an
-    AT-SPI client asks for)."""
+    the desktop processes' private memory per dump, each walker's ``n`` dumps in a row, the
+    fast walker's first (Calc keeps every cell object an AT-SPI client asks for, and a cell
+    object asked for anew by the old walker retires the one the fast walker kept)."""
     out: dict = {}
     env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
     try:
@@ -131,16 +132,20 @@ def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
             pids = u.workspace.pids()
             trees = {w: u.accessibility_tree(walker=w, seconds=120) for w in WALKERS}
             samples: dict[str, list[float]] = {w: [] for w in WALKERS}
-            grown = dict.fromkeys(WALKERS, 0)
             same = trees["old"] == trees["fast"]
             for _ in range(n):
                 for w in WALKERS:
-                    before = _private_bytes(pids)
                     t0 = time.perf_counter()
                     trees[w] = u.accessibility_tree(walker=w, seconds=120)
                     samples[w].append(time.perf_counter() - t0)
-                    grown[w] += _private_bytes(pids) - before
                 same = same and trees["old"] == trees["fast"]
+            grown = {}
+            for w in ("fast", "old"):
+                u.accessibility_tree(walker=w, seconds=120)  # the fast walker's cells, made again
+                before = _private_bytes(pids)
+                for _ in range(n):
+                    u.accessibility_tree(walker=w, seconds=120)
+                grown[w] = _private_bytes(pids) - before
             out[app] = {"task": task, "lines": trees["fast"].count("\n") + 1, "same_xml": same,
                         **{w: summary(samples[w]) for w in WALKERS},
                         "private_kb_per_dump": {w: round(grown[w] / n / 1024) for w in WALKERS}}

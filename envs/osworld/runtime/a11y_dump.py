@@ -21,14 +21,34 @@ If AT-SPI is unavailable (no bus, no registry), it falls back to the X window tr
 
 from __future__ import annotations
 
-import argparse
+import getopt
 import json
 import os
 import socket
 import struct
 import sys
 import time
-from xml.sax.saxutils import escape, quoteattr
+
+
+# A dump is a new process each step, so what it imports is paid each step: xml.sax.saxutils
+# pulls in urllib.request and http.client (most of the interpreter's start-up here) for
+# two one-line functions, and argparse costs more than getopt. escape and quoteattr below
+# are saxutils' own (tests/test_osworld_a11y.py checks them against it).
+def escape(data: str) -> str:
+    """``xml.sax.saxutils.escape``: &, < and >."""
+    return data.replace("&", "&amp;").replace(">", "&gt;").replace("<", "&lt;")
+
+
+def quoteattr(data: str) -> str:
+    """``xml.sax.saxutils.quoteattr``: escaped, newlines and tabs as references, quoted with
+    the quote the value lacks (double quotes as &quot; if it has both)."""
+    data = escape(data).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    if '"' in data:
+        if "'" in data:
+            return '"{}"'.format(data.replace('"', "&quot;"))
+        return f"'{data}'"
+    return f'"{data}"'
+
 
 STATES = ("focused", "selected", "checked", "pressed", "expanded", "editable", "enabled", "visible", "showing",
           "focusable", "selectable", "sensitive", "active", "multi-line", "single-line", "modal")
@@ -972,22 +992,43 @@ def dump_x11() -> str:
     return "\n".join(out)
 
 
+USAGE = ("usage: a11y_dump.py [--walker fast|old] [--max-nodes N] [--seconds S]\n"
+         "  fast (default): batched D-Bus calls; old: one libatspi call at a time; the walk stops after S s")
+
+
+def parse_args(argv: list[str]) -> tuple[str, int, float]:
+    """(walker, max nodes, seconds) from the command line; SystemExit(2) with the usage if bad."""
+    walker, max_nodes, seconds = "fast", 3000, 8.0
+    try:
+        opts, rest = getopt.getopt(argv, "", ["walker=", "max-nodes=", "seconds="])
+        for opt, value in opts:
+            if opt == "--walker":
+                if value not in ("fast", "old"):
+                    raise ValueError(f"--walker must be fast or old, not {value!r}")
+                walker = value
+            elif opt == "--max-nodes":
+                max_nodes = int(value)
+            else:
+                seconds = float(value)
+        if rest:
+            raise ValueError(f"unexpected arguments {rest}")
+    except (getopt.GetoptError, ValueError) as e:
+        print(f"a11y_dump.py: {e}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2) from e
+    return walker, max_nodes, seconds
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Dump the desktop's accessibility tree (AT-SPI) as XML.")
-    parser.add_argument("--max-nodes", type=int, default=3000)
-    parser.add_argument("--seconds", type=float, default=8.0, help="stop walking after this long")
-    parser.add_argument("--walker", choices=("fast", "old"), default="fast",
-                        help="fast: batched D-Bus calls (default); old: one libatspi call at a time")
-    args = parser.parse_args()
+    walker, max_nodes, seconds = parse_args(sys.argv[1:])
     text = None
-    if args.walker == "fast":
+    if walker == "fast":
         try:
-            text = dump_fast(args.max_nodes, args.seconds, os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+            text = dump_fast(max_nodes, seconds, os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
         except (WireError, OSError, KeyError) as e:  # say so, and walk the old way
             print(f"a11y: fast walker failed ({type(e).__name__}: {e}); old walker instead", file=sys.stderr)
     if text is None:
         try:
-            text = dump_atspi(args.max_nodes, args.seconds)
+            text = dump_atspi(max_nodes, seconds)
         except Exception as e:  # noqa: BLE001 - fall back to the window tree, and say so
             print(f"a11y: AT-SPI unavailable ({type(e).__name__}: {e}); window tree instead", file=sys.stderr)
             text = dump_x11()
