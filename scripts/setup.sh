@@ -60,7 +60,7 @@ if [ "$(cat "$VENV/.bunshin-stamp" 2>/dev/null)" != "$stamp" ]; then
 		"$VENV/bin/pip" install -q "$torch" --index-url https://download.pytorch.org/whl/cpu 2>&1 | grep -v WARNING || true
 	fi
 	say "installing bunshin-gym (editable) with pinned dependencies"
-	"$VENV/bin/pip" install -q -c "$REPO/constraints.txt" -e "$REPO[web,train,dev,serve,integrations]" > "$VENV/pip.log" 2>&1 ||
+	"$VENV/bin/pip" install -q -c "$REPO/constraints.txt" -e "$REPO[web,train,dev,serve,integrations,cluster]" > "$VENV/pip.log" 2>&1 ||
 		{ tail -n 30 "$VENV/pip.log"; say "pip failed; full log: $VENV/pip.log"; exit 1; }
 	"$VENV/bin/python" -c "import bunshin_gym, gymnasium, torch, trl" 
 	echo "$stamp" > "$VENV/.bunshin-stamp"
