@@ -194,6 +194,12 @@ def _cmd_bench(args) -> int:
 
         doc = serve.run(args.json, desktop="desktop" in (args.envs or "shell,desktop"))
         return 0 if doc["throughput"]["errors"] == 0 else 1
+    if args.name == "cluster":
+        from bunshin_gym.bench import cluster
+
+        cluster.run(args.json, nodes=tuple(int(x) for x in (args.nodes or "1,2,3").split(",")),
+                    epochs=args.epochs or 2, group=args.group or 2)
+        return 0
     raise AssertionError(args.name)
 
 
@@ -274,7 +280,8 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_gc)
 
     be = sub.add_parser("bench", help="run a benchmark")
-    be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve"])
+    be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve",
+                                        "cluster"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
@@ -302,6 +309,7 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")
     be.add_argument("--envs", default=None, help="soak: env kinds of the mixed workload (default shell,desktop,web)")
+    be.add_argument("--nodes", default=None, help="cluster: simulated host counts (default 1,2,3)")
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
