@@ -218,7 +218,8 @@ class BunshinCluster:
         t0 = time.perf_counter()
         mig = Migration(snap, src, dst, 0.0)
         try:
-            bundle = ray.get(self.hosts[src].export_snapshot.remote(snap, sorted(self.index.snapshots(dst))))
+            have = ray.get(self.hosts[dst].info.remote())["snapshots"]  # chain parents are no index entries
+            bundle = ray.get(self.hosts[src].export_snapshot.remote(snap, have))
             mig.parts = len(bundle["parts"])
             mig.bytes = sum(len(p["fs"]) + len(p["criu"]) for p in bundle["parts"])
             ray.get(self.hosts[dst].import_snapshot.remote(bundle))
