@@ -247,3 +247,239 @@ def test_app_names_blank_only_where_libatspi_left_them_blank():
 def test_bad_walker_is_refused(env):
     with pytest.raises(ValueError, match="walker"):
         env.unwrapped.accessibility_tree(walker="fastest")
+
+
+# the fast walker against the old one on a stand-in app ---------------------------------------
+# A test double next to the live comparison above: one in-memory app tree answered both
+# through libatspi-like objects (for Dumper) and as D-Bus replies (for FastWalker), with
+# the cases a desktop may not show at a given moment: hidden subtrees, an extended role, a
+# child that fails, more than 3000 children, a huge table whose cells are new objects per
+# request (as Calc's) and retire, texts longer than MAX_TEXT.
+ROLES = ["invalid", "application", "frame", "push button", "table", "label", "menu", "menu item", "text", "panel"]
+STATE_BITS = {"enabled": 8, "visible": 30, "showing": 25, "focused": 12, "editable": 7, "selected": 23}
+DEFUNCT = 6
+TABLES = {"roles": ROLES, "extended": 99, "defunct": DEFUNCT, "states": STATE_BITS}
+SHOW = {"enabled", "visible", "showing"}
+
+
+class Obj:
+    def __init__(self, role, name="", states=SHOW, ifaces=(), extents=None, text=None, value=None, children=(),
+                 fail=False, role_name=None):
+        self.role, self.name, self.states, self.extents, self.text, self.value = role, name, set(states), extents, \
+            text, value
+        self.ifaces = [a11y.ACC, *ifaces]
+        self.children, self.fail, self.role_name = list(children), fail, role_name
+        self.path = ""
+
+
+class StandIn:
+    """The app: objects by path; a huge table makes a new cell object per request."""
+
+    def __init__(self, root: Obj, rows: int = 4, cols: int = 3):
+        self.objs: dict[str, Obj] = {}
+        self.rows, self.cols = rows, cols
+        self.made = 0
+        self.cells: dict[tuple[int, int], str] = {}
+        self._add(root, "/org/a11y/atspi/accessible/root")
+
+    def _add(self, o: Obj, path: str | None = None) -> str:
+        o.path = path or f"/o/{len(self.objs)}"
+        self.objs[o.path] = o
+        for c in o.children:
+            self._add(c)
+        return o.path
+
+    def cell(self, r: int, c: int) -> str:
+        self.made += 1
+        text = "x" * 500 if (r, c) == (1, 1) else (f"v{r}{c}" if c else "")
+        return self._add(Obj(ROLES.index("label"), name=f"{'ABC'[c]}{r + 1}", ifaces=[a11y.IFACE_TEXT], text=text))
+
+    def bits(self, o: Obj) -> list[int]:
+        b = sum(1 << STATE_BITS[s] for s in o.states if s in STATE_BITS) | (DEFUNCT in o.states) << DEFUNCT
+        return [b & 0xFFFFFFFF, b >> 32]
+
+    def answer(self, path, iface, member, sig, args):
+        o = self.objs.get(path)
+        if o is None or o.fail or (iface not in (a11y.PROPS, a11y.ACC) and iface not in o.ifaces):
+            return a11y.CallFailed("org.freedesktop.DBus.Error.UnknownMethod" if o else "org.a11y.Error.Gone")
+        prop = {(a11y.ACC, "Name"): o.name, (a11y.ACC, "ChildCount"): len(o.children),
+                (a11y.IFACE_TEXT, "CharacterCount"): len(o.text or ""), (a11y.IFACE_VALUE, "CurrentValue"): o.value}
+        if member == "Get":
+            return [prop[args]] if args[0] in o.ifaces else a11y.CallFailed("org.freedesktop.DBus.Error.UnknownMethod")
+        if member == "GetState":
+            return [self.bits(o)]
+        if member == "GetRole":
+            return [o.role]
+        if member == "GetRoleName":
+            return [o.role_name]
+        if member == "GetInterfaces":
+            return [o.ifaces]
+        if member == "GetExtents":
+            return [o.extents]
+        if member == "GetChildren":
+            return [[(":1.1", c.path) for c in o.children]]
+        if member == "GetChildAtIndex":
+            return [(":1.1", o.children[args[0]].path)]
+        if member == "GetText":
+            return [o.text[args[0]:] if args[1] == -1 else o.text[args[0]:args[1]]]
+        x, y, w, h = o.extents or (0, 0, 0, 0)
+        if member == "GetAccessibleAtPoint":
+            r, c = (0, 0) if args[0] == x + 2 else (self.rows - 1, self.cols - 1)
+            return [(":1.1", self.cell(r, c))]
+        if member == "GetIndexInParent":
+            r, c = (int(o.name[1:]) - 1, "ABC".index(o.name[0]))
+            return [r * self.cols + c]
+        if member == "GetRowAtIndex":
+            return [args[0] // self.cols]
+        if member == "GetColumnAtIndex":
+            return [args[0] % self.cols]
+        if member == "GetAccessibleAt":
+            return [(":1.1", self.cell(*args))]
+        raise AssertionError(member)
+
+
+class StandInPipe:
+    def __init__(self, app: StandIn):
+        self.app, self.dest, self.calls = app, None, 0
+
+    def run(self, calls):
+        self.calls += len(calls)
+        return [self.app.answer(*c) for c in calls]
+
+
+class Acc:
+    """libatspi's view of a stand-in object, for Dumper."""
+
+    def __init__(self, app: StandIn, path: str):
+        self.app, self.o = app, app.objs[path]
+
+    def _ok(self):
+        if self.o.fail:
+            raise RuntimeError("gone")
+
+    def get_role_name(self):
+        self._ok()
+        return self.o.role_name if self.o.role_name is not None else ROLES[self.o.role]
+
+    def get_name(self):
+        self._ok()
+        return self.o.name
+
+    def get_state_set(self):
+        self._ok()
+        states = self.o.states
+        return type("S", (), {"contains": lambda _, st: st in states})()
+
+    def _iface(self, name):
+        return self if name in self.o.ifaces else None
+
+    def get_component_iface(self):
+        return self._iface(a11y.IFACE_COMPONENT)
+
+    def get_text_iface(self):
+        return self._iface(a11y.IFACE_TEXT)
+
+    def get_value_iface(self):
+        return self._iface(a11y.IFACE_VALUE)
+
+    def get_table_iface(self):
+        return self._iface(a11y.IFACE_TABLE)
+
+    def get_extents(self, _):
+        x, y, w, h = self.o.extents
+        return type("E", (), {"x": x, "y": y, "width": w, "height": h})()
+
+    def get_character_count(self):
+        return len(self.o.text or "")
+
+    def get_text(self, a, b):
+        return self.o.text[a:b]
+
+    def get_current_value(self):
+        return self.o.value
+
+    def get_child_count(self):
+        return len(self.o.children)
+
+    def get_child_at_index(self, i):
+        return Acc(self.app, self.o.children[i].path)
+
+    def get_accessible_at_point(self, x, y, _):
+        ref = self.app.answer(self.o.path, a11y.IFACE_COMPONENT, "GetAccessibleAtPoint", "", (x, y))[0]
+        return Acc(self.app, ref[1])
+
+    def get_index_in_parent(self):
+        return self.app.answer(self.o.path, a11y.ACC, "GetIndexInParent", "", ())[0]
+
+    def get_row_at_index(self, i):
+        return i // self.app.cols
+
+    def get_column_at_index(self, i):
+        return i % self.app.cols
+
+    def get_accessible_at(self, r, c):
+        return Acc(self.app, self.app.cell(r, c))
+
+
+class StandInAtspi:
+    StateType = type("StateType", (), {s.upper().replace("-", "_"): s for s in STATE_BITS})
+    CoordType = type("CoordType", (), {"SCREEN": 0})
+
+
+def stand_in_app() -> StandIn:
+    r = ROLES.index
+    comp = [a11y.IFACE_COMPONENT]
+    menu = Obj(r("menu"), "File", ifaces=comp, extents=(0, 0, 40, 20),
+               children=[Obj(r("menu item"), f"Item {i}", states={"enabled"}, ifaces=comp, extents=(0, 0, 1, 1),
+                             children=[Obj(r("label"), "deep")]) for i in range(5)])
+    entry = Obj(r("text"), "Entry", states=SHOW | {"editable", "focused"}, ifaces=[*comp, a11y.IFACE_TEXT],
+                extents=(5, 6, 7, 8), text="t" * 450)
+    slider = Obj(r("panel"), "Level", ifaces=[*comp, a11y.IFACE_VALUE], extents=(1, 1, 1, 1), value=0.25)
+    odd = Obj(77, "Odd", ifaces=comp, extents=(2, 2, 2, 2), role_name="custom widget")
+    gone = Obj(r("label"), "Gone", fail=True)
+    many = Obj(r("panel"), "Many", ifaces=comp, extents=(0, 0, 9, 9),
+               children=[Obj(r("label"), str(i), ifaces=comp, extents=(i, 0, 1, 1)) for i in range(3005)])
+    table = Obj(r("table"), "Sheet", ifaces=[*comp, a11y.IFACE_TABLE], extents=(100, 100, 300, 200))
+    frame = Obj(r("frame"), "Window", ifaces=comp, extents=(0, 0, 800, 600),
+                children=[menu, entry, slider, odd, gone, many, table])
+    app = StandIn(Obj(r("application"), "app", states=set(), children=[frame]))
+    table.children = []  # reported as huge below, never iterated
+    app.objs[table.path].children = []
+    return app
+
+
+def _huge(app: StandIn) -> None:
+    """Give the table 2^31 - 1 children without making them (as Calc's sheet)."""
+    table = next(o for o in app.objs.values() if o.name == "Sheet")
+
+    class Huge(list):
+        def __len__(self):
+            return 2**31 - 1
+
+    table.children = Huge()
+
+
+def test_fast_walker_equals_the_old_walker_on_a_stand_in_app():
+    app = stand_in_app()
+    _huge(app)
+    old = a11y.Dumper(StandInAtspi, 10000, float("inf"))
+    old.out.append(a11y.HEADER + ">")
+    old.node(Acc(app, "/org/a11y/atspi/accessible/root"), 1, app_level=True)
+    old.out.append("</desktop-frame>")
+    old_xml = "\n".join(old.out)
+    kept: dict = {}
+    pipe = StandInPipe(app)
+    fast_xml = a11y.build_xml([a11y.FastWalker(TABLES, pipe, kept).fetch("/org/a11y/atspi/accessible/root",
+                                                                          float("inf"))], max_nodes=10000)
+    assert fast_xml == old_xml, _first_difference(fast_xml, old_xml)
+    assert "custom-widget" in fast_xml and "deep" not in fast_xml and 'name="Gone"' not in fast_xml
+    assert 'name="2999"' in fast_xml and 'name="3000"' not in fast_xml  # the first 3000 children
+    assert ">" + "x" * a11y.MAX_TEXT + "</table-cell>" in fast_xml and 'val:value="0.25"' in fast_xml
+    # a second dump asks the cell objects it kept again, and makes new ones only for those retired
+    made = app.made
+    assert len(kept) == app.rows * app.cols
+    app.objs[next(iter(kept.values()))].states.add(DEFUNCT)
+    again = a11y.build_xml([a11y.FastWalker(TABLES, StandInPipe(app), kept).fetch(
+        "/org/a11y/atspi/accessible/root", float("inf"))], max_nodes=10000)
+    assert again == old_xml
+    assert app.made - made == 2 + 1  # the two corner cells (asked by point) and the retired one
