@@ -165,7 +165,8 @@ class BunshinEnvironment:
     def _content(self, head: str, obs: Any, tail: str = "") -> str | list:
         """What the model reads: text, or (multimodal) image blocks and the text."""
         shown = render(obs, multimodal=self.multimodal, max_chars=self.max_chars)
-        text = "\n".join(p for p in (head, shown.text, tail) if p)
+        where = f"URL: {obs['url']}\n{obs.get('tabs', '')}".strip() if isinstance(obs, dict) and "url" in obs else ""
+        text = "\n".join(p for p in (head, where, shown.text, tail) if p)
         if shown.images:
             return [*({"type": "image", "image": im} for im in shown.images), {"type": "text", "text": text}]
         return text
@@ -223,6 +224,7 @@ class DesktopEnvironment(BunshinEnvironment):
     env_id = "Bunshin-OSWorld-v0"
     env_kwargs: ClassVar[dict] = {"action_space": "computer_13"}
     give_up: ClassVar[Any] = {"action_type": "FAIL"}
+    max_chars = 8000  # the accessibility tree, when required
 
     def click(self, x: int, y: int, button: str = "left", num_clicks: int = 1) -> str | list:
         """Click at a point of the screen.
@@ -282,6 +284,7 @@ class WebEnvironment(BunshinEnvironment):
 
     env_id = "Bunshin-WebArena-v0"
     give_up = "stop [N/A]"
+    max_chars = 24000  # a page's whole tree: the ids the tools take are in it
 
     def click(self, element_id: str) -> str:
         """Click an element of the page.
