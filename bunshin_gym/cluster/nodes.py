@@ -105,20 +105,31 @@ def prepare(name: str) -> NodeLayout:
 def remove(name: str) -> None:
     """Unmount and delete simulated host ``name`` (its workspaces must be gone: ``reclaim`` first)."""
     lay = layout(name)
-    for mnt in (lay.pool / "images", lay.pool):
-        if _is_mountpoint(mnt):
-            _run("umount", str(mnt))
+    cgroup_roots = [lay.cgroup_root] if _unified() else \
+        [Path("/sys/fs/cgroup") / c / f"bunshin-cluster-{name}" for c in _V1]
+    # the host's mounts, deepest first: its pool and images, the uffd page images' tmpfs in its run dir
+    for mnt in sorted(_mounts_under(lay.base, lay.run), key=lambda m: -len(m.parts)):
+        _run("umount", str(mnt))
     if pool.is_subvolume(lay.subvolume):
         (lay.subvolume / "images").rmdir()
         pool.delete_subvolume(lay.subvolume)
     subprocess.run(["rm", "-rf", "--one-file-system", str(lay.base), str(lay.run)], check=False)
-    roots = [lay.cgroup_root] if _unified() else [(lay.cgroup_root / c).resolve() for c in _V1]
-    for root in roots:
-        for d in sorted(root.rglob("*"), key=lambda q: -len(q.parts)) if root.is_dir() else []:
-            if d.is_dir():
-                d.rmdir()
+    for root in cgroup_roots:  # a cgroup directory goes with rmdir, children first
+        for d in sorted((q for q in root.rglob("*") if q.is_dir()), key=lambda q: -len(q.parts)) \
+                if root.is_dir() else []:
+            d.rmdir()
         if root.is_dir():
             root.rmdir()
+
+
+def _mounts_under(*dirs: Path) -> list[Path]:
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = Path(line.split()[1].replace("\\040", " "))
+            if any(target == d or d in target.parents for d in dirs):
+                out.append(target)
+    return out
 
 
 def _prepare_cgroup_root(lay: NodeLayout) -> None:

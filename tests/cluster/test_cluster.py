@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 
+import pytest
 import ray
 
 from bunshin_gym.cluster import BunshinCluster, GroupSpec, ReplayPolicy, nodes
@@ -29,6 +30,14 @@ def solve(task: str, *probes: str) -> tuple[str, ...]:
 def replay(task: str, *probes: str, members: int = 2, think: float = 0.0) -> ReplayPolicy:
     acts = solve(task, *probes)
     return ReplayPolicy((acts,) * members, ((think,) * len(acts),) * members if think else ())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hosts_removed():
+    """The simulated hosts' mounts, directories and cgroup roots go after the module."""
+    yield
+    for name in HOSTS:
+        nodes.remove(name)
 
 
 def assert_clean(names):
