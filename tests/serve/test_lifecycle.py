@@ -27,9 +27,9 @@ CLIENT = textwrap.dedent("""
     from bunshin_gym.remote import RemoteEnv
     url, token = sys.argv[1], sys.argv[2]
     sb = Sandbox.create("base", api_url=url, sandbox_url=url, api_key=token)
+    sb.commands.run("sleep 600", background=True, timeout=0)
     env = RemoteEnv("Bunshin-Shell-v0", url, token=token, task="shell/count-files")
     env.reset()
-    sb.commands.run("sleep 600", background=True, timeout=0)
     print(json.dumps({"sandbox": sb.sandbox_id, "env": env.remote_id}), flush=True)
     time.sleep(3600)
 """)
@@ -44,30 +44,30 @@ def _server_workspaces(server: Server) -> set[str]:
 
 
 def test_killed_client_is_reaped_and_a_live_one_is_kept(tmp_path):
-    server = Server(tmp_path, "--idle-timeout", "4", "--close-on-exit")
+    server = Server(tmp_path, "--idle-timeout", "8", "--close-on-exit")
     try:
         before = _server_workspaces(server)
         client = subprocess.Popen([sys.executable, "-c", CLIENT, server.url, ALICE], stdout=subprocess.PIPE, text=True)
         try:
             held = json.loads(client.stdout.readline())
-            live = RemoteEnv("Bunshin-Shell-v0", server.url, token=ALICE, task="shell/count-files")
+            theirs = _server_workspaces(server) - before
+            assert len(theirs) == 2  # the client's sandbox and env
         finally:
             client.send_signal(signal.SIGKILL)  # no goodbye: the server must notice on its own
             client.wait()
             client.stdout.close()
+        live = RemoteEnv("Bunshin-Shell-v0", server.url, token=ALICE, task="shell/count-files")
         try:
             live.reset()
-            mine = _server_workspaces(server) - before
-            assert len(mine) == 3  # the killed client's sandbox and env, and the live env
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 90
             while {held["sandbox"], held["env"]} & {x.get("sandboxID", x.get("id")) for x in leases(server)}:
                 assert time.monotonic() < deadline, f"not reaped: {leases(server)}\n{server.log[-2000:]}"
                 time.sleep(0.5)
-            time.sleep(1)  # the live env is kept alive by its keepalives, well past the idle timeout
+            assert _running(theirs) == set(), "the reaped sandbox's and env's workspaces are gone"
+            time.sleep(1)  # the live env is kept alive by its keepalives, past the idle timeout by now
             assert [x["id"] for x in leases(server)] == [live.remote_id]
             assert live.step("echo still here")[0]["output"] == "still here\n"
-            left = _server_workspaces(server) - before
-            assert len(left) == 1, "the reaped sandbox's and env's workspaces are gone"
+            assert len(_server_workspaces(server) - before) == 1
             assert "reaping" in server.log and "idle for" in server.log
         finally:
             live.close()
