@@ -233,6 +233,10 @@ NO_INTERFACE_ERRORS = ("org.freedesktop.DBus.Error.UnknownMethod", "org.freedesk
                        "org.freedesktop.DBus.Error.UnknownProperty")
 
 
+#: a cell whose object did not answer (see FastWalker._read_cells)
+_RETIRED = object()
+
+
 class Node:
     """What the walker learned about one accessible (the input of :func:`build_xml`).
 
@@ -804,17 +808,33 @@ class FastWalker:
         (r0,), (c0,), (r1,), (c1,) = rc
         grid = [(r, c) for r in range(r0, min(r1, r0 + 60) + 1) for c in range(c0, min(c1, c0 + 26) + 1)]
         cells = self._cell_paths(p, grid)
+        read = self._read_cells([path for _, _, path, _ in cells])
+        # a kept object that does not answer was retired between its state check and now:
+        # that cell is asked for anew, as the old walker would have
+        again = [i for i, (_, _, _, kept) in enumerate(cells) if kept and read[i] is _RETIRED]
+        fresh = run([(p, IFACE_TABLE, "GetAccessibleAt", "ii", cells[i][1]) for i in again])
+        redo = [(i, r[0][1]) for i, r in zip(again, fresh, strict=True) if _ok(r) and r[0][1] != NULL_PATH]
+        for (i, path), got in zip(redo, self._read_cells([path for _, path in redo]), strict=True):
+            read[i] = got
+            self.cells[cells[i][0]] = path
+        return [c for c in read if c is not None and c is not _RETIRED]
+
+    def _read_cells(self, paths: list[str]) -> list:
+        """(name, text) of each cell; None for one the old walker would leave out, _RETIRED
+        for one whose object does not answer."""
+        run = self.pipe.run
         # name and whole text of each cell: two questions, not the old four (interfaces,
         # character count, then the text): a cell without the text interface answers
         # UnknownMethod, which the old walker's get_text_iface() == None amounts to
-        info = run([q for cp in cells for q in ((cp, PROPS, "Get", "ss", (ACC, "Name")),
+        info = run([q for cp in paths for q in ((cp, PROPS, "Get", "ss", (ACC, "Name")),
                                                 (cp, IFACE_TEXT, "GetText", "ii", (0, -1)))])
-        out, long_texts = [], []
-        for i, cp in enumerate(cells):
+        out: list = []
+        long_texts = []
+        for i, cp in enumerate(paths):
             name, text = info[2 * i:2 * i + 2]
             if not _ok(name):
-                continue
-            if _ok(text) and len(text[0]) < MAX_TEXT:
+                out.append(_RETIRED)
+            elif _ok(text) and len(text[0]) < MAX_TEXT:
                 out.append((name[0] or "", text[0]))
             elif _ok(text):  # long: cut where the app counts characters, as the old walker asks
                 long_texts.append((len(out), cp))
@@ -822,27 +842,28 @@ class FastWalker:
             elif text.name in NO_INTERFACE_ERRORS:
                 out.append((name[0] or "", ""))
             else:
-                out.append(None)
+                out.append(_RETIRED)
         counts = run([(cp, PROPS, "Get", "ss", (IFACE_TEXT, "CharacterCount")) for _, cp in long_texts])
         cut = run([(cp, IFACE_TEXT, "GetText", "ii", (0, min(c[0] if _ok(c) else 0, MAX_TEXT)))
                    for (_, cp), c in zip(long_texts, counts, strict=True)])
         for (i, _), c, t in zip(long_texts, counts, cut, strict=True):
-            out[i] = (out[i][0], t[0]) if _ok(c) and _ok(t) else None
-        return [c for c in out if c is not None]
+            out[i] = (out[i][0], t[0]) if _ok(c) and _ok(t) else _RETIRED
+        return out
 
-
-    def _cell_paths(self, table: str, grid: list[tuple[int, int]]) -> list[str]:
-        """The cell objects at ``grid``, in order. Calc makes a new accessible object for each
-        GetAccessibleAt and never frees it (6.6-7.1 MB more private memory in soffice per
-        Calc dump, the old walker's too), so the objects of the last dump are asked again
-        where they are still alive (not defunct: a path names one object, and a Calc cell
-        object one cell, for the app's lifetime); only the others are made anew."""
+    def _cell_paths(self, table: str, grid: list[tuple[int, int]]) -> list[tuple[str, tuple[int, int], str, bool]]:
+        """(key, (row, column), object path, kept from the last dump) of the cells at
+        ``grid``, in order. Calc makes a new accessible object for each GetAccessibleAt and
+        never frees it (6.6-7.1 MB more private memory in soffice per Calc dump, the old
+        walker's too), so the objects of the last dump are asked again where they are still
+        alive (not defunct: a path names one object, and a Calc cell object one cell, for
+        the app's lifetime); only the others are made anew."""
         run = self.pipe.run
         keys = [f"{table} {r},{c}" for r, c in grid]
         known = [(k, self.cells[k]) for k in keys if k in self.cells]
         states = run([(path, ACC, "GetState", "", ()) for _, path in known])
         alive = {k: path for (k, path), st in zip(known, states, strict=True)
                  if _ok(st) and not sum(w << (32 * i) for i, w in enumerate(st[0])) >> self.defunct_bit & 1}
+        kept = set(alive)
         fresh = [(k, rc) for k, rc in zip(keys, grid, strict=True) if k not in alive]
         at = run([(table, IFACE_TABLE, "GetAccessibleAt", "ii", rc) for _, rc in fresh])
         for (k, _), r in zip(fresh, at, strict=True):
@@ -851,7 +872,7 @@ class FastWalker:
         for k in [k for k in self.cells if k.startswith(f"{table} ")]:
             del self.cells[k]  # only this view's cells are kept: the file stays small
         self.cells.update(alive)
-        return [alive[k] for k in keys if k in alive]
+        return [(k, rc, alive[k], k in kept) for k, rc in zip(keys, grid, strict=True) if k in alive]
 
 
 def role_tables(cache: str | None) -> dict:
