@@ -159,7 +159,8 @@ def _cmd_bench(args) -> int:
         size = epoch.Size(args.tasks or size.tasks, args.group or size.group, args.epochs or size.epochs)
         epoch.run(args.json, env_id=args.env or epoch.OSWORLD, size=size, seed=args.seed,
                   modes=tuple((args.modes or ",".join(epoch.MODES)).split(",")), parallel=args.parallel,
-                  think=epoch.ThinkTime(scale=args.think_scale), replay=args.replay)
+                  think=epoch.ThinkTime(scale=args.think_scale), replay=args.replay,
+                  cache_budget_mb=args.cache_budget_mb)
         return 0
     if args.name == "fork":
         from bunshin_gym.bench import fork
@@ -302,6 +303,8 @@ def parser() -> argparse.ArgumentParser:
                     help="epoch: factor on the policy's think time (lognormal, median 6 s before scaling)")
     be.add_argument("--parallel", type=int, default=0, help="epoch: groups run at a time (default 0: all of an epoch)")
     be.add_argument("--replay", default=None, help="epoch: replay the trajectories saved in this results JSON")
+    be.add_argument("--cache-budget-mb", type=int, default=None,
+                    help="epoch: snapshot bytes the prefix cache keeps resident (default: the cache's, 2048)")
     be.add_argument("--before", default=None,
                     help="containment: git revision to compare with (default 7213947, the last without containment)")
     be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")

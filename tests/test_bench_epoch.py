@@ -160,6 +160,13 @@ def test_targets_are_marked_ok_or_no_from_the_figures():
     assert marks[E.TARGETS[1][0]] and marks[E.TARGETS[4][0]]
 
 
+def test_run_to_run_noise_compares_spec_epoch_1_with_share_base():
+    res = _results()
+    assert E.run_to_run_noise(res) == {"spec_s": 90.0, "share_base_s": 100.0, "ratio": 0.9}
+    res["modes"]["spec"]["epochs"][0]["speculation"] = {"launched": 1}  # it speculated: not a twin run
+    assert E.run_to_run_noise(res) is None
+
+
 def test_table_and_one_png_per_figure(tmp_path):
     res = _results(full_wall=90.0)
     res["targets"] = E.evaluate_targets(res)
@@ -220,3 +227,8 @@ def test_quick_run_on_the_desktop(tmp_path):
         assert (tmp_path / png.rsplit("/", 1)[1]).exists()
     assert (tmp_path / "epoch-quick.txt").read_text().count(" ok") + \
         (tmp_path / "epoch-quick.txt").read_text().count(" NO") >= 5
+    # a rerun replays the saved trajectories (same actions, same think times), with the same rewards
+    again = E.run(None, replay=str(path), modes=("share-base",), seed=99)
+    assert again["trajectories"] == doc["trajectories"] and again["seed"] == 3
+    assert [e["rewards"] for e in again["modes"]["share-base"]["epochs"]] == \
+        [e["rewards"] for e in doc["modes"]["share-base"]["epochs"]]

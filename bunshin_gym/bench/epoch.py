@@ -22,7 +22,15 @@ generation would take that long. The trajectories are saved with the results, an
 
 Memory is what the run's own workspaces use, sampled over time: the sum of their cgroups'
 charge, the tmpfs page images their share clones map, their userfaultfd monitors, and (in
-full mode) the prefix cache's snapshot images it keeps resident; never host-wide.
+full mode) the snapshot bytes the prefix cache keeps resident (its residency budget's
+count); never host-wide.
+
+Sizes: ``--quick`` (2 tasks, G=2, 2 epochs) is a smoke test; the default (4 tasks, G=4,
+3 epochs) fits a small shared machine in about half an hour; the paper's size is
+``bunshin bench epoch --env Bunshin-OSWorld-v0 --paper --json bench/results/epoch-osworld-paper.json``
+(8 tasks, G=8, 3 epochs, every group of an epoch at once: 64 rollouts and 8 set-up
+workspaces live together, about 20 GB in copy-base with browsers open, so a host with
+16+ cores and 64 GB), and the same with ``--env Bunshin-WebArena-v0``.
 """
 
 from __future__ import annotations
@@ -346,10 +354,12 @@ def _mark(ok: bool | None) -> str:
 class _ModeState:
     """What a mode keeps across epochs: its log, and in full mode the prefix cache."""
 
-    def __init__(self, mode: str, work: Path):
+    def __init__(self, mode: str, work: Path, cache_budget: int | None = None):
         self.mode = mode
         self.log = TrajectoryLog(work / f"{mode}-log.jsonl")
-        self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log) if mode == "full" else None
+        budget = {} if cache_budget is None else {"memory_budget": cache_budget}
+        self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log, **budget) \
+            if mode == "full" else None
 
 
 def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, parallel: int,
@@ -423,8 +433,8 @@ PAPER = Size(tasks=8, group=8, epochs=3)
 
 def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str] | None = None,
         size: Size = DEFAULT, seed: int = 7, modes: tuple[str, ...] = MODES, think: ThinkTime | None = None,
-        parallel: int = 0, min_speculate_s: float = 0.8, replay: str | None = None,
-        figures: str | None = None) -> dict:
+        parallel: int = 0, min_speculate_s: float = 0.8, cache_budget_mb: int | None = None,
+        replay: str | None = None, figures: str | None = None) -> dict:
     """Run the benchmark; write the JSON, the printed table (``.txt``) and a PNG per figure
     next to ``json_path`` (or under ``figures``, a path prefix)."""
     if env_id not in TASKS:
@@ -448,9 +458,10 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
           f"per mode; modes {', '.join(modes)}; {parallel or 'all'} group(s) at a time; load average {load[0]:.1f}")
     print(f"think time: {think.describe()}")
     work = Path(tempfile.mkdtemp(prefix="bunshin-bench-epoch-"))
-    states = {m: _ModeState(m, work) for m in modes}
+    states = {m: _ModeState(m, work, None if cache_budget_mb is None else cache_budget_mb << 20) for m in modes}
     res: dict = {"env": env_id, "tasks": tasks, "group": size.group, "epochs": size.epochs, "seed": seed,
                  "think": asdict(think), "think_distribution": think.describe(), "parallel": parallel,
+                 "min_speculate_s": min_speculate_s, "cache_budget_mb": cache_budget_mb,
                  "modes": {m: {"epochs": []} for m in modes}, "load_average": {}}
     t_run = time.perf_counter()
     try:
@@ -476,6 +487,7 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
     res["run_s"] = round(time.perf_counter() - t_run, 1)
     res["load_average"] = {"start": [round(x, 2) for x in load], "end": [round(x, 2) for x in os.getloadavg()]}
     res["targets"] = evaluate_targets(res)
+    res["noise"] = run_to_run_noise(res)
     text = summarise(res)
     print(text)
     res["trajectories"] = trajectories
@@ -504,7 +516,35 @@ def summarise(res: dict) -> str:
                           "mean reward", "load"]), ""]
     lines.append(table([[t["figure"], t["target"], t["measured"], _mark(t["ok"])] for t in res["targets"]],
                        ["figure", "target", "measured", "ok"]))
+    noise = run_to_run_noise(res)
+    if noise is not None:
+        lines.append(f"\nrun-to-run noise: spec's epoch 1 runs exactly as share-base's (no log to speculate from "
+                     f"yet): {noise['spec_s']} s vs {noise['share_base_s']} s, a ratio of {noise['ratio']}")
     return "\n".join(lines)
+
+
+def run_to_run_noise(res: dict) -> dict | None:
+    """Spec's first epoch has no log, so it runs as share-base does: the two epochs' times
+    differ only by noise (load on a shared host), the yardstick for the time targets."""
+    m = res["modes"]
+    if "spec" not in m or "share-base" not in m or m["spec"]["epochs"][0].get("speculation"):
+        return None
+    a, b = m["spec"]["epochs"][0]["wall_s"], m["share-base"]["epochs"][0]["wall_s"]
+    return {"spec_s": a, "share_base_s": b, "ratio": round(a / b, 3) if b else None}
+
+
+def refigure(json_path: str) -> dict:
+    """Recompute the targets, the table and the figures of a saved run (no rerun)."""
+    res = json.loads(Path(json_path).read_text())
+    res["targets"] = evaluate_targets(res)
+    res["noise"] = run_to_run_noise(res)
+    prefix = json_path.rsplit(".", 1)[0]
+    text = summarise(res)
+    Path(prefix + ".txt").write_text(text + "\n")
+    res["figures"] = plot(res, prefix)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(text)
+    return res
 
 
 def plot(res: dict, prefix: str) -> dict[str, str]:
