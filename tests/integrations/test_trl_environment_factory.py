@@ -8,6 +8,7 @@ import inspect
 import os
 
 import pytest
+from conftest import leftovers
 
 from bunshin_gym.integrations.trl import (
     DesktopEnvironment,
@@ -71,9 +72,13 @@ def test_group_members_are_clones_of_the_first_set_up():
         assert other.env.unwrapped._owned is not a.env.unwrapped._owned
         other.shell("echo hello world > /home/user/hello.txt")
         assert other.get_reward() == 1.0  # solved without saying done: the give-up still scores it
+        ids = {x.env.unwrapped.workspace.id for x in (a, b, c, other)}
+        b.reset(prompt=[], task="shell/make-dir")  # a reset closes the member's previous workspace
+        ids.add(b.env.unwrapped.workspace.id)
     finally:
         cls.close_all()
     assert all(x.env is None for x in (a, b, c, other))
+    assert len(ids) == 5 and leftovers(ids) == {}
 
 
 def test_a_row_without_task_is_a_clear_error():
