@@ -109,18 +109,38 @@ TREE_TASKS = {"calc": "osworld/calc-max-sales", "terminal": "osworld/terminal-co
 WALKERS = ("old", "fast")
 
 
+def _tree(u, walker: str) -> str:
+    """One dump by ``walker``, given room to finish: 120 s for the walk, and for the old one
+    15 s per call (by default it stops after 8 s and waits 1.5 s per call, which on a busy
+    host cuts the tree or leaves Calc out: then the two would not give the same content)."""
+    from bunshin_gym.envs.osworld import desktop
+
+    res = u.workspace.exec(["python3", f"{desktop.OPT}/a11y_dump.py", "--walker", walker, "--seconds", "120",
+                            "--call-timeout", "15"], user=desktop.USER, env=desktop.DESKTOP_ENV, timeout=180)
+    return res.text
+
+
 def _private_bytes(pids: list[int]) -> int:
     r = rollup(pids)
     return r["Private_Clean"] + r["Private_Dirty"]
 
 
+def _grown_per_dump(u, pids: list[int], walker: str, n: int) -> int:
+    """kB of private memory the desktop's processes grew per dump, over ``n`` dumps."""
+    before = _private_bytes(pids)
+    for _ in range(n):
+        _tree(u, walker)
+    return round((_private_bytes(pids) - before) / n / 1024)
+
+
 def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
     """Accessibility-tree dump time per app, old and fast walker in turns on the same desktop
     (so load on a shared host hits both alike); each walker's first dump is a warm-up (the
-    fast walker keeps tables between dumps) and not timed. ``private_kb_per_dump``: growth of
-    the desktop processes' private memory per dump, each walker's ``n`` dumps in a row, the
-    fast walker's first (Calc keeps every cell object an AT-SPI client asks for, and a cell
-    object asked for anew by the old walker retires the one the fast walker kept)."""
+    fast walker keeps tables between dumps) and not timed. ``same_xml``: every pair of dumps
+    taken in turn was equal. ``private_kb_per_dump``: growth of the desktop processes'
+    private memory per dump over ``n`` dumps in a row of one walker, the fast walker's
+    before any old one (Calc keeps every cell object an AT-SPI client asks for; the fast
+    walker asks its kept ones again, and a new one asked by the old walker retires them)."""
     out: dict = {}
     env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
     try:
@@ -130,25 +150,20 @@ def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
             time.sleep(2)
             u = env.unwrapped
             pids = u.workspace.pids()
-            trees = {w: u.accessibility_tree(walker=w, seconds=120) for w in WALKERS}
+            trees = {"fast": _tree(u, "fast")}
+            grown = {"fast": _grown_per_dump(u, pids, "fast", n)}
+            trees["old"] = _tree(u, "old")
             samples: dict[str, list[float]] = {w: [] for w in WALKERS}
-            same = trees["old"] == trees["fast"]
+            same = True
             for _ in range(n):
                 for w in WALKERS:
                     t0 = time.perf_counter()
-                    trees[w] = u.accessibility_tree(walker=w, seconds=120)
+                    trees[w] = _tree(u, w)
                     samples[w].append(time.perf_counter() - t0)
                 same = same and trees["old"] == trees["fast"]
-            grown = {}
-            for w in ("fast", "old"):
-                u.accessibility_tree(walker=w, seconds=120)  # the fast walker's cells, made again
-                before = _private_bytes(pids)
-                for _ in range(n):
-                    u.accessibility_tree(walker=w, seconds=120)
-                grown[w] = _private_bytes(pids) - before
+            grown["old"] = _grown_per_dump(u, pids, "old", n)
             out[app] = {"task": task, "lines": trees["fast"].count("\n") + 1, "same_xml": same,
-                        **{w: summary(samples[w]) for w in WALKERS},
-                        "private_kb_per_dump": {w: round(grown[w] / n / 1024) for w in WALKERS}}
+                        **{w: summary(samples[w]) for w in WALKERS}, "private_kb_per_dump": grown}
     finally:
         env.close()
     return out

@@ -177,13 +177,16 @@ def _cell_pos(ti, cell) -> tuple[int, int]:
     return ti.get_row_at_index(idx), ti.get_column_at_index(idx)
 
 
-def dump_atspi(max_nodes: int, seconds: float) -> str:
+def dump_atspi(max_nodes: int, seconds: float, call_timeout: float = 1.5) -> str:
     import gi
 
     gi.require_version("Atspi", "2.0")
     from gi.repository import Atspi
 
-    Atspi.set_timeout(1500, -1)
+    # libatspi's per-call timeout: a fresh libatspi client asks Calc for its whole object
+    # cache (Cache.GetItems, 2-5 s of Calc's time on a busy host), and calls made meanwhile
+    # that wait longer than this fail, which leaves the app out of the tree
+    Atspi.set_timeout(int(call_timeout * 1000), -1)
     desktop = Atspi.get_desktop(0)
     d = Dumper(Atspi, max_nodes, time.monotonic() + seconds)
     d.out.append(HEADER + ">")
@@ -1013,15 +1016,17 @@ def dump_x11() -> str:
     return "\n".join(out)
 
 
-USAGE = ("usage: a11y_dump.py [--walker fast|old] [--max-nodes N] [--seconds S]\n"
-         "  fast (default): batched D-Bus calls; old: one libatspi call at a time; the walk stops after S s")
+USAGE = ("usage: a11y_dump.py [--walker fast|old] [--max-nodes N] [--seconds S] [--call-timeout T]\n"
+         "  fast (default): batched D-Bus calls; old: one libatspi call at a time; the walk stops after S s;\n"
+         "  T: the old walker's per-call timeout in seconds (1.5)")
 
 
-def parse_args(argv: list[str]) -> tuple[str, int, float]:
-    """(walker, max nodes, seconds) from the command line; SystemExit(2) with the usage if bad."""
-    walker, max_nodes, seconds = "fast", 3000, 8.0
+def parse_args(argv: list[str]) -> tuple[str, int, float, float]:
+    """(walker, max nodes, seconds, old walker's call timeout) from the command line;
+    SystemExit(2) with the usage if bad."""
+    walker, max_nodes, seconds, call_timeout = "fast", 3000, 8.0, 1.5
     try:
-        opts, rest = getopt.getopt(argv, "", ["walker=", "max-nodes=", "seconds="])
+        opts, rest = getopt.getopt(argv, "", ["walker=", "max-nodes=", "seconds=", "call-timeout="])
         for opt, value in opts:
             if opt == "--walker":
                 if value not in ("fast", "old"):
@@ -1029,6 +1034,8 @@ def parse_args(argv: list[str]) -> tuple[str, int, float]:
                 walker = value
             elif opt == "--max-nodes":
                 max_nodes = int(value)
+            elif opt == "--call-timeout":
+                call_timeout = float(value)
             else:
                 seconds = float(value)
         if rest:
@@ -1036,11 +1043,11 @@ def parse_args(argv: list[str]) -> tuple[str, int, float]:
     except (getopt.GetoptError, ValueError) as e:
         print(f"a11y_dump.py: {e}\n{USAGE}", file=sys.stderr)
         raise SystemExit(2) from e
-    return walker, max_nodes, seconds
+    return walker, max_nodes, seconds, call_timeout
 
 
 def main() -> None:
-    walker, max_nodes, seconds = parse_args(sys.argv[1:])
+    walker, max_nodes, seconds, call_timeout = parse_args(sys.argv[1:])
     text = None
     if walker == "fast":
         try:
@@ -1049,7 +1056,7 @@ def main() -> None:
             print(f"a11y: fast walker failed ({type(e).__name__}: {e}); old walker instead", file=sys.stderr)
     if text is None:
         try:
-            text = dump_atspi(max_nodes, seconds)
+            text = dump_atspi(max_nodes, seconds, call_timeout)
         except Exception as e:  # noqa: BLE001 - fall back to the window tree, and say so
             print(f"a11y: AT-SPI unavailable ({type(e).__name__}: {e}); window tree instead", file=sys.stderr)
             text = dump_x11()
