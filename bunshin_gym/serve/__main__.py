@@ -13,7 +13,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--token-file", default=None,
                     help='JSON {"tokens": [{"token", "name", "max_workspaces", "max_memory"}]}; default: one '
                          "token generated into STATE_DIR/token.json")
-    ap.add_argument("--state-dir", default=None, help="server state (default: $BUNSHIN_RUN/serve)")
+    ap.add_argument("--state-dir", default=None, help="server state (default: $BUNSHIN_HOME/serve)")
     ap.add_argument("--idle-timeout", type=float, default=900.0,
                     help="seconds without a request before a sandbox or env is reclaimed (0: never)")
     ap.add_argument("--env-ttl", type=float, default=86400.0, help="seconds an env lives at most (0: no limit)")

@@ -48,7 +48,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 49982
     token_file: str | None = None
-    #: where state.json (and a generated token) live; default $BUNSHIN_RUN/serve
+    #: where state.json (and a generated token) live; default $BUNSHIN_HOME/serve: paused and
+    #: named snapshots are on the pool and outlive a reboot, so their names must too
     state_dir: str | None = None
     #: seconds without a request after which a sandbox or env is reclaimed (0: never)
     idle_timeout: float = 900.0
@@ -66,7 +67,7 @@ class ServeConfig:
 
     @property
     def state_path(self) -> Path:
-        return Path(self.state_dir) if self.state_dir else paths().run / "serve"
+        return Path(self.state_dir) if self.state_dir else paths().home / "serve"
 
 
 class Service:
