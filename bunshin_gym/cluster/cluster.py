@@ -124,6 +124,9 @@ class BunshinCluster:
         self.migrations: list[Migration] = []
         self.dead: dict[str, str] = {}  # host -> why
         self._reclaimed: dict[str, Any] = {}
+        if fresh and hosts is None:
+            raise ValueError("fresh=True reclaims every workspace under a host's run directory: on a node's own "
+                             "paths that is every workspace of the node, so it is for simulated hosts only")
         if isinstance(hosts, int):
             if hosts < 1:
                 raise ValueError(f"a cluster needs at least one host, got {hosts}")

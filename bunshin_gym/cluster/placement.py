@@ -57,9 +57,9 @@ class Placer:
         matches = [m for m in index.match(task, prefix) if m.host in loads]
         if not matches:
             return Decision(least, "least-loaded")
-        best = matches[0]
-        if loads[best.host] < min(self.threshold, self.capacity):
-            return Decision(best.host, "prefix", best.depth)
+        best = min((m for m in matches if m.score == matches[0].score), key=lambda m: (loads[m.host], m.host))
+        if loads[best.host] < min(self.threshold, self.capacity) or least == best.host:
+            return Decision(best.host, "prefix", best.depth)  # (or it is the only host with room anyway)
         # the holder is too loaded: the least-loaded host, with the holder's snapshot if it lacks one
         mine = next((m for m in matches if m.host == least), None)
         if self.migrate and best.snapshot and (mine is None or mine.snapshot_depth < best.snapshot_depth):

@@ -63,6 +63,14 @@ def test_a_holder_past_the_threshold_gives_way_with_a_migration():
     idx.apply("h1", [("create", entry("h1", KEY_A, "ls", "pwd", snap="s0"))])
     d = placer.choose("shell/a", {"h0": 2, "h1": 1, "h2": 2}, idx)
     assert (d.host, d.migrate_from) == ("h1", None)
+    # equal matches: the less loaded holder
+    d = placer.choose("shell/a", {"h0": 1, "h1": 0, "h2": 0}, idx)
+    assert (d.host, d.reason) == ("h1", "prefix")
+    # past the threshold but the only host with room: still the holder, no copy
+    only = SnapshotIndex()
+    only.apply("h0", [("create", entry("h0", KEY_A, "ls", "pwd", snap="s0"))])
+    d = placer.choose("shell/a", {"h0": 1, "h1": 3, "h2": 3}, only)
+    assert (d.host, d.reason, d.migrate_from) == ("h0", "prefix", None)
     assert Placer("prefix", threshold=1, capacity=3, migrate=False).choose(
         "shell/a", {"h0": 1, "h1": 2, "h2": 0}, idx).migrate_from is None
 
