@@ -532,6 +532,9 @@ class Wire:
             if bus:
                 self.call_many([("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "Hello",
                                  "", ())])
+        except WireError:
+            self.sock.close()
+            raise
         except OSError as e:
             self.sock.close()
             raise WireError(f"D-Bus connection to {address}: {e}") from e
