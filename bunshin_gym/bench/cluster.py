@@ -19,7 +19,7 @@ import time
 
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.bench.rollout import TASKS, make_trajectories
-from bunshin_gym.cluster import BunshinCluster, GroupSpec, ReplayPolicy, start_local_ray
+from bunshin_gym.cluster import BunshinCluster, GroupSpec, ReplayPolicy, nodes, start_local_ray
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ def run_config(hosts: int, placement: str, trajectories: list[dict], epochs: int
             e = out["epochs"][-1]
             log.info("%d hosts, %s placement, epoch %d: %.1f s, hit rate %.1f%%, %d executed, %d migrations",
                      hosts, placement, epoch + 1, wall, e["hit_rate"] * 100, served["executed"], len(migs))
+    for name in names:  # shut down and reclaimed: the simulated hosts' mounts and cgroup roots go too
+        nodes.remove(name)
     return out
 
 

@@ -127,6 +127,7 @@ class BunshinCluster:
         if fresh and hosts is None:
             raise ValueError("fresh=True reclaims every workspace under a host's run directory: on a node's own "
                              "paths that is every workspace of the node, so it is for simulated hosts only")
+        self.owned = hosts is not None  # simulated hosts: their paths are the cluster's alone
         if isinstance(hosts, int):
             if hosts < 1:
                 raise ValueError(f"a cluster needs at least one host, got {hosts}")
@@ -144,7 +145,7 @@ class BunshinCluster:
                 num_cpus=0, max_concurrency=capacity + 8, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 runtime_env={"env_vars": env} if env else None,
-            ).remote(name, snapshot_every=snapshot_every, speculation=speculation, fresh=fresh)
+            ).remote(name, snapshot_every=snapshot_every, speculation=speculation, owned=self.owned, fresh=fresh)
         self.info = dict(zip(self.hosts, ray.get([h.info.remote() for h in self.hosts.values()]), strict=True))
         for name, info in self.info.items():
             log.info("host %s on node %s: pool %s", name, info["node_id"][:8], info["pool"])
@@ -262,7 +263,7 @@ class BunshinCluster:
         node_id, env = self._placement[host]
         return ray.remote(reclaim).options(
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            runtime_env={"env_vars": env} if env else None).remote()
+            runtime_env={"env_vars": env} if env else None).remote(owned=self.owned)
 
     # state and end -----------------------------------------------------------------------
     def stats(self) -> dict[str, dict]:

@@ -78,13 +78,17 @@ class HostActor:
         speculation: run speculative tool execution, with a selector trained on the host's
             trajectory log before each group (as ``bunshin bench rollout``'s Full mode).
         sample_s: interval of the memory sampler (the host's workspaces' cgroups).
+        owned: the host's paths are the cluster's alone (a simulated host): its end, and a
+            dead actor's reclaim, remove every workspace and snapshot there. Otherwise (a node's
+            own paths, shared with other users of the node) only this host's workspaces and cache
+            snapshots go, and a dead actor's workspaces are those with no live owner.
         fresh: start empty: reclaim what an earlier actor of this host left (workspaces,
             snapshots) and forget its prefix cache and trajectory log. Every workspace under the
             host's run directory goes: on a real node, only for a host the cluster owns alone.
     """
 
     def __init__(self, name: str, *, cache_dir: str | None = None, snapshot_every: int = 2,
-                 speculation: bool = False, sample_s: float = 0.2, fresh: bool = False):
+                 speculation: bool = False, sample_s: float = 0.2, owned: bool = False, fresh: bool = False):
         from bunshin_gym.rollout import PrefixCache, TrajectoryLog
         from bunshin_gym.workspace import pool
 
@@ -92,8 +96,11 @@ class HostActor:
         self.p = pool.require_pool()  # this host's pool (a simulated host's own, from runtime_env)
         cache = Path(cache_dir) if cache_dir else self.p.home / "cluster" / name / "prefix-cache"
         cache.mkdir(parents=True, exist_ok=True)
+        if fresh and not owned:
+            raise ValueError(f"host {name}: fresh=True needs a host whose paths it owns (a simulated host)")
+        self.owned = owned
         if fresh:
-            reclaim(self.p)
+            reclaim(self.p, owned=True)
             for name_ in ("tree.pkl", "log.jsonl"):
                 (cache / name_).unlink(missing_ok=True)
         self.trajlog = TrajectoryLog(cache / "log.jsonl")
@@ -377,7 +384,8 @@ class HostActor:
 
     # end -------------------------------------------------------------------------------
     def shutdown(self) -> dict:
-        """Close this host's workspaces, delete its cache's snapshots and reclaim the rest."""
+        """Close this host's workspaces, delete its cache's snapshots and reclaim the rest (of
+        an owned host: everything under its paths; else what lost its owner)."""
         with self._lock:
             left, self._workspaces = list(self._workspaces.values()), {}
         for ws in left:
@@ -387,7 +395,7 @@ class HostActor:
                 log.exception("host %s: closing workspace %s failed", self.name, ws.id)
         self.cache.clear()
         self._stop.set()
-        return reclaim(self.p)
+        return reclaim(self.p, owned=self.owned)
 
     # memory ----------------------------------------------------------------------------
     def _memory(self) -> int:
@@ -420,16 +428,18 @@ def _walk(root: Any) -> list:
     return out
 
 
-def reclaim(p: config.Paths | None = None) -> dict:
-    """Reclaim a host whose actor is gone (or at its end): every workspace of its run
-    directory and the snapshots of its pool (``bunshin gc --all`` on the host's paths)."""
+def reclaim(p: config.Paths | None = None, *, owned: bool = False) -> dict:
+    """Reclaim a host whose actor is gone (or at its end). ``owned`` (a simulated host, whose
+    paths nobody else uses): every workspace of its run directory and every snapshot of its
+    pool (``bunshin gc --all`` there). Otherwise only what ``bunshin gc`` takes: workspaces
+    whose owner (the dead actor) is gone; its cache's snapshots stay for the node's next host."""
     from bunshin_gym.workspace import gc
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     p = p or config.paths()
-    rep = gc.collect(p, all_workspaces=True)
+    rep = gc.collect(p, all_workspaces=owned)
     deleted = []
-    for snap in sorted(SnapshotStore(p).list(), key=lambda s: -s.depth):  # children first
+    for snap in sorted(SnapshotStore(p).list(), key=lambda s: -s.depth) if owned else []:  # children first
         try:
             snap.delete()
             deleted.append(snap.id)
