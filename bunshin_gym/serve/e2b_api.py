@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from bunshin_gym.config import Limits
 from bunshin_gym.serve.auth import Principal
-from bunshin_gym.serve.registry import NotFound, ServeError
+from bunshin_gym.serve.registry import NotFound, ServeError, json_object
 from bunshin_gym.serve.sandbox import ENVD_VERSION, Sandbox, pause, resume
 from bunshin_gym.workspace import UnknownImage, Workspace, WorkspaceError
 
@@ -74,19 +74,6 @@ def _str_map(body: dict, key: str) -> dict[str, str]:
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ServeError(f"{key} must be an object of strings", 400)
     return dict(value)
-
-
-async def _json(request: Request) -> dict:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ServeError(f"the body is not JSON: {e}", 400) from None
-    if not isinstance(body, dict):
-        raise ServeError("the body must be a JSON object", 400)
-    return body
 
 
 def router(service) -> APIRouter:
@@ -137,7 +124,7 @@ def router(service) -> APIRouter:
     @r.post("/sandboxes", status_code=201)
     @r.post("/v2/sandboxes", status_code=201)
     async def create(request: Request, who: Principal = auth) -> JSONResponse:
-        body = await _json(request)
+        body = await json_object(request)
         sb = await asyncio.to_thread(_create, who, body)
         log.info("sandbox %s (%s) created for %s: workspace %s", sb.id, sb.template, who.name, sb.ws.id)
         return JSONResponse(created_model(sb), status_code=201)
@@ -181,7 +168,7 @@ def router(service) -> APIRouter:
     @r.post("/sandboxes/{sb_id}/timeout", status_code=204)
     async def set_timeout(sb_id: str, request: Request, who: Principal = auth) -> Response:
         sb = _get(sb_id, who)
-        timeout = _int(await _json(request), "timeout", None, 0, service.config.max_timeout)
+        timeout = _int(await json_object(request), "timeout", None, 0, service.config.max_timeout)
         if timeout is None:
             raise ServeError("timeout is required", 400)
         sb.timeout = timeout
@@ -193,7 +180,7 @@ def router(service) -> APIRouter:
     @r.post("/sandboxes/{sb_id}/refreshes", status_code=204)
     async def refresh(sb_id: str, request: Request, who: Principal = auth) -> Response:
         sb = _get(sb_id, who)
-        duration = _int(await _json(request), "duration", None, 0, service.config.max_timeout)
+        duration = _int(await json_object(request), "duration", None, 0, service.config.max_timeout)
         if sb.ws is not None and sb.end_at is not None:
             sb.end_at = max(sb.end_at, time.time() + (duration or sb.timeout))
         return Response(status_code=204)
@@ -210,7 +197,7 @@ def router(service) -> APIRouter:
 
     async def _resume(sb_id: str, request: Request, who: Principal) -> JSONResponse:
         sb = _get(sb_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         if body.get("memory") is False:
             raise ServeError("resume without memory (on_resume='reboot') is not supported: "
                              "bunshin resumes from the memory snapshot", 400)
@@ -273,7 +260,7 @@ def router(service) -> APIRouter:
     @r.post("/sandboxes/{sb_id}/fork", status_code=201)
     async def fork(sb_id: str, request: Request, who: Principal = auth) -> JSONResponse:
         sb = _get(sb_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         count = _int(body, "count", 1, 1, MAX_FORK)
         timeout = _int(body, "timeout", sb.timeout, 1, service.config.max_timeout)
         results = await asyncio.to_thread(_fork, sb, count, timeout)
@@ -283,7 +270,7 @@ def router(service) -> APIRouter:
     @r.post("/sandboxes/{sb_id}/snapshots", status_code=201)
     async def create_snapshot(sb_id: str, request: Request, who: Principal = auth) -> JSONResponse:
         sb = _get(sb_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not name or "/" in name or len(name) > 128):
             raise ServeError("name must be a non-empty string without '/', at most 128 characters", 400)

@@ -326,6 +326,14 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def _failure(e: Exception) -> JSONResponse:
+    """The answer to a files request that failed: a paused sandbox or a failed workspace is
+    the upstream's fault (502), a bad request says its own status."""
+    if isinstance(e, ServeError) and not isinstance(e, Paused):
+        return _error(e.status, str(e))
+    return _error(502, str(e) if isinstance(e, Paused) else f"the sandbox failed: {e}")
+
+
 def files_router(registry: Registry) -> APIRouter:
     """envd's HTTP API: ``GET /files`` (download), ``POST /files`` (upload, multipart or
     octet-stream), ``GET /health``."""
@@ -355,12 +363,8 @@ def files_router(registry: Registry) -> APIRouter:
             if path is None:
                 raise ServeError("the path query parameter is required", 400)
             data = await asyncio.to_thread(sb.read_file, path)
-        except Paused as e:
-            return _error(502, str(e))
-        except ServeError as e:
-            return _error(e.status, str(e))
-        except WorkspaceError as e:
-            return _error(502, f"the sandbox failed: {e}")
+        except (Paused, ServeError, WorkspaceError) as e:
+            return _failure(e)
         return Response(content=data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{os.path.basename(path)}"'})
 
@@ -397,12 +401,8 @@ def files_router(registry: Registry) -> APIRouter:
                 raise ServeError("no file in the upload", 400)
             for name, data in files:
                 await asyncio.to_thread(sb.write_file, name, data, user)
-        except Paused as e:
-            return _error(502, str(e))
-        except ServeError as e:
-            return _error(e.status, str(e))
-        except WorkspaceError as e:
-            return _error(502, f"the sandbox failed: {e}")
+        except (Paused, ServeError, WorkspaceError) as e:
+            return _failure(e)
         return JSONResponse([{"name": os.path.basename(n), "type": "file", "path": n} for n, _ in files])
 
     return router

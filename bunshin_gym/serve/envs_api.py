@@ -25,7 +25,7 @@ from bunshin_gym.config import Limits
 from bunshin_gym.registration import CLASSES as ENVS
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.auth import Principal
-from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError
+from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError, json_object
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +76,6 @@ class GroupLease(Lease):
 def frame(data: bytes) -> Response:
     """An answer holding an encoded frame (:func:`bunshin_gym.serve.codec.encode`)."""
     return Response(content=data, media_type=codec.MEDIA_TYPE)
-
-
-async def _json(request: Request) -> dict:
-    raw = await request.body()
-    if not raw:
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ServeError(f"the body is not JSON: {e}", 400) from None
-    if not isinstance(body, dict):
-        raise ServeError("the body must be a JSON object", 400)
-    return body
 
 
 def router(service) -> APIRouter:
@@ -146,7 +133,7 @@ def router(service) -> APIRouter:
 
     @r.post("", status_code=201)
     async def make(request: Request, who: Principal = auth) -> JSONResponse:
-        lease = await asyncio.to_thread(_make, who, await _json(request))
+        lease = await asyncio.to_thread(_make, who, await json_object(request))
         log.info("env %s (%s) made for %s", lease.id, lease.env_id, who.name)
         return JSONResponse(_describe(lease), status_code=201)
 
@@ -164,7 +151,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/reset")
     async def reset(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         options = body.get("options")
         if options is not None and not isinstance(options, dict):
             raise ServeError("options must be an object", 400)
@@ -181,7 +168,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/step")
     async def step(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         if "action" not in body:
             raise ServeError("the body needs an action", 400)
         def work() -> bytes:
@@ -207,7 +194,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/clone", status_code=201)
     async def clone(env_id: str, request: Request, who: Principal = auth) -> JSONResponse:
         lease = _lease(env_id, who)
-        body = await _json(request)
+        body = await json_object(request)
         n = body.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ServeError(f"n must be an integer from 1 to 256, got {n!r}", 400)
@@ -217,7 +204,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/snapshot", status_code=201)
     async def snapshot(env_id: str, request: Request, who: Principal = auth) -> JSONResponse:
         lease = _lease(env_id, who)
-        tags = (await _json(request)).get("tags") or {}
+        tags = (await json_object(request)).get("tags") or {}
         if not isinstance(tags, dict):
             raise ServeError("tags must be an object", 400)
         snap = await asyncio.to_thread(_locked, lease, lambda: lease.env.snapshot(**tags))
@@ -227,7 +214,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/rollback")
     async def rollback(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        snap_id = (await _json(request)).get("snapshot")
+        snap_id = (await json_object(request)).get("snapshot")
         snap = None
         if snap_id is not None:
             snap = lease.snapshots.get(snap_id)
@@ -280,14 +267,14 @@ def router(service) -> APIRouter:
 
     @r.post("/groups", status_code=201)
     async def make_group(request: Request, who: Principal = auth) -> JSONResponse:
-        lease = await asyncio.to_thread(_make_group, who, await _json(request))
+        lease = await asyncio.to_thread(_make_group, who, await json_object(request))
         return JSONResponse({"id": lease.id, "env_id": lease.env_id, "num_envs": lease.group.num_envs,
                              "idle_timeout": lease.idle_timeout}, status_code=201)
 
     @r.post("/groups/{group_id}/reset")
     async def group_reset(group_id: str, request: Request, who: Principal = auth) -> Response:
         lease = registry.get(group_id, who, kind=GroupLease)
-        body = await _json(request)
+        body = await json_object(request)
         def work() -> bytes:
             obs, info = _locked(lease, lambda: lease.group.reset(options=body.get("options")))
             return codec.encode({"observation": obs, "info": info})
@@ -297,7 +284,7 @@ def router(service) -> APIRouter:
     @r.post("/groups/{group_id}/step")
     async def group_step(group_id: str, request: Request, who: Principal = auth) -> Response:
         lease = registry.get(group_id, who, kind=GroupLease)
-        actions = (await _json(request)).get("actions")
+        actions = (await json_object(request)).get("actions")
         if not isinstance(actions, list) or len(actions) != lease.group.num_envs:
             raise ServeError(f"actions must be a list of {lease.group.num_envs} actions", 400)
         def work() -> bytes:

@@ -32,6 +32,20 @@ class ServeError(BunshinError):
             self.status = status
 
 
+async def json_object(request) -> dict:
+    """A request's body as a JSON object ({} when empty); ServeError 400 when it is not one."""
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ServeError(f"the body is not JSON: {e}", 400) from None
+    if not isinstance(body, dict):
+        raise ServeError("the body must be a JSON object", 400)
+    return body
+
+
 class NotFound(ServeError):
     status = 404
 
