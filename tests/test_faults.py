@@ -991,3 +991,23 @@ def test_concurrent_dumps_under_the_nftables_lock_do_not_collide():
             ws.close()
         for snap in snaps:
             snap.delete()
+
+
+def test_a_snapshot_a_rollback_left_is_deletable_at_once(fresh_ws):
+    """After ``rollback(a)`` from a state that ran from snapshot ``b``, ``b.delete()`` works at
+    once: the replaced processes (killed, reclaimed on the reclaim thread) no longer count as
+    its users. (bench fork deleted its delta snapshot right after rolling back, and failed.)"""
+    ws = fresh_ws
+    a = ws.snapshot()
+    b = ws.snapshot()
+    try:
+        ws.rollback(b)  # ws now runs from b
+        ws.rollback(a)  # the replaced state, which ran from b, is reclaimed in the background
+        b.delete()
+        assert not b.path.exists()
+        assert ws.exec("echo ok").text == "ok\n"
+    finally:
+        ws.close()
+        for s in (b, a):
+            if s.path.exists():
+                s.delete()

@@ -28,8 +28,9 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,7 @@ class Snapshot:
     # usage and deletion --------------------------------------------------------------
     def users(self) -> dict[str, list[str]]:
         """Live workspaces restored from this snapshot, and child snapshots that need it."""
+        wait_replaced(self.id)  # a rollback's replaced processes are killed: let them go first
         running = [r for r in records.all_records(self._p) if r.running()]
         snaps = SnapshotStore(self._p).list()
         clones = [r.id for r in running if r.snapshot == self.id and not kmod.is_holder(r)]
@@ -638,6 +640,42 @@ def _swap_in(ws: Workspace, new: records.Record) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(old.pid1, signal.SIGKILL)  # at once: the replaced processes run no further
     ws._reclaim_later(old)  # the wait for them to go and the file system's deletion
+
+
+#: reclaims of what rollbacks replaced (processes killed, not yet gone), off the caller's
+#: path on one thread (they touch the store's bookkeeping: releases, image copies); pending
+#: work is finished at interpreter exit (concurrent.futures joins the thread)
+_reclaimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshin-reclaim")
+_replaced_lock = threading.Lock()
+#: (the snapshot the replaced processes ran from, their reclaim): Snapshot.users() waits for
+#: those of its snapshot, so that a snapshot a rollback left is deletable at once
+_replaced: list[tuple[str | None, Future]] = []
+
+
+def reclaim_later(rec: records.Record, p: Paths) -> Future:
+    """Reclaim a rollback's replaced workspace state on the reclaim thread."""
+    future = _reclaimer.submit(_reclaim_replaced, rec, p)
+    with _replaced_lock:
+        _replaced[:] = [(s, f) for s, f in _replaced if not f.done()]
+        _replaced.append((rec.snapshot, future))
+    return future
+
+
+def wait_replaced(snap_id: str) -> None:
+    """Wait for the pending reclaims of replaced states that ran from ``snap_id``."""
+    with _replaced_lock:
+        pending = [f for s, f in _replaced if s == snap_id]
+    for future in pending:
+        future.result()
+
+
+def _reclaim_replaced(rec: records.Record, p: Paths) -> None:
+    from bunshin_gym.workspace.workspace import reclaim
+
+    try:
+        reclaim(rec, p)
+    except Exception:  # noqa: BLE001 - its record stays: `bunshin gc` retries
+        log.exception("reclaiming %s (replaced by a rollback) failed; `bunshin gc` will retry", rec.id)
 
 
 def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:

@@ -12,14 +12,13 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import os
 import secrets
 import select
 import subprocess
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +32,6 @@ from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -173,7 +170,7 @@ class Workspace:
         ~70 ms, deleting its layer more. :meth:`close` waits for it; after a crash its record
         (owned by this process) leads ``bunshin gc`` to it."""
         self._reclaims = [f for f in self._reclaims if not f.done()]
-        self._reclaims.append(_reclaimer.submit(_reclaim_replaced, rec, self._p))
+        self._reclaims.append(snapshot.reclaim_later(rec, self._p))
 
     def _wait_reclaims(self) -> None:
         for future in self._reclaims:
@@ -508,18 +505,6 @@ def _wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
-
-
-#: one thread: reclaims touch the snapshot store's bookkeeping (releases, image copies) and
-#: are few; its pending work is finished at interpreter exit (concurrent.futures joins it)
-_reclaimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshin-reclaim")
-
-
-def _reclaim_replaced(rec: records.Record, p: Paths) -> None:
-    try:
-        reclaim(rec, p)
-    except Exception:  # noqa: BLE001 - its record stays: `bunshin gc` retries
-        log.exception("reclaiming %s (replaced by a rollback) failed; `bunshin gc` will retry", rec.id)
 
 
 def reclaim(rec: records.Record, p: Paths | None = None) -> None:
