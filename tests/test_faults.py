@@ -1011,3 +1011,20 @@ def test_a_snapshot_a_rollback_left_is_deletable_at_once(fresh_ws):
         for s in (b, a):
             if s.path.exists():
                 s.delete()
+
+
+def test_rolling_back_a_fork_of_an_ephemeral_snapshot_releases_it(fresh_ws):
+    """ws.fork() makes an ephemeral snapshot; a clone rolled back to another snapshot releases
+    it from the reclaim thread (which must not wait for its own reclaim), and it is gone once
+    that reclaim is done."""
+    ws = fresh_ws
+    [clone] = ws.fork(1)
+    ephemeral = clone.base_snapshot
+    other = ws.snapshot()
+    try:
+        clone.rollback(other)
+        clone._wait_reclaims()  # a self-wait on the reclaim thread would hang here
+        assert ephemeral not in {s.id for s in SnapshotStore().list()}
+    finally:
+        clone.close()
+        other.delete()

@@ -645,7 +645,8 @@ def _swap_in(ws: Workspace, new: records.Record) -> None:
 #: reclaims of what rollbacks replaced (processes killed, not yet gone), off the caller's
 #: path on one thread (they touch the store's bookkeeping: releases, image copies); pending
 #: work is finished at interpreter exit (concurrent.futures joins the thread)
-_reclaimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bunshin-reclaim")
+_RECLAIM_THREAD = "bunshin-reclaim"
+_reclaimer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_RECLAIM_THREAD)
 _replaced_lock = threading.Lock()
 #: (the snapshot the replaced processes ran from, their reclaim): Snapshot.users() waits for
 #: those of its snapshot, so that a snapshot a rollback left is deletable at once
@@ -662,7 +663,10 @@ def reclaim_later(rec: records.Record, p: Paths) -> Future:
 
 
 def wait_replaced(snap_id: str) -> None:
-    """Wait for the pending reclaims of replaced states that ran from ``snap_id``."""
+    """Wait for the pending reclaims of replaced states that ran from ``snap_id`` (not on the
+    reclaim thread itself: a reclaim releases its snapshot, and would wait for itself)."""
+    if threading.current_thread().name.startswith(_RECLAIM_THREAD):
+        return
     with _replaced_lock:
         pending = [f for s, f in _replaced if s == snap_id]
     for future in pending:
