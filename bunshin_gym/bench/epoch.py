@@ -54,7 +54,7 @@ from bunshin_gym.bench.report import table, write
 from bunshin_gym.bench.rollout import MemorySampler, replay_group
 from bunshin_gym.config import paths
 from bunshin_gym.rollout import PrefixCache, Speculation, TrajectoryLog
-from bunshin_gym.workspace import records
+from bunshin_gym.workspace import records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.memstat import rollup
 
@@ -222,20 +222,6 @@ def make_trajectories(env_id: str, tasks: list[str], *, group: int, epochs: int,
 
 
 # memory of the run's own workspaces ---------------------------------------------------
-def _image_copies(root: Path, names: set[str]) -> set[str]:
-    """Snapshot image copies and the parent copies they link to (their pages are mapped too)."""
-    out, todo = set(), list(names)
-    while todo:
-        n = todo.pop()
-        if n in out:
-            continue
-        out.add(n)
-        link = root / n / "parent"
-        if link.is_symlink():
-            todo.append(Path(os.readlink(link)).name)
-    return out
-
-
 def _dir_bytes(d: Path) -> int:
     total = 0
     try:
@@ -259,7 +245,7 @@ def workspace_memory(owner: int | None = None) -> dict[str, int]:
         except (OSError, ValueError):
             pass  # closed meanwhile
     root = paths().run / "uffd-images"
-    used = _image_copies(root, {r.snapshot for r in mine if "uffd" in r.extra and r.snapshot})
+    used = uffd.with_ancestors(root, {r.snapshot for r in mine if "uffd" in r.extra and r.snapshot})
     images = sum(_dir_bytes(root / n) for n in used)
     monitors = [pid for r in mine if "uffd" in r.extra for pid in (r.extra["uffd"].get("guard"),
                                                                    r.extra["uffd"].get("worker")) if pid]

@@ -173,7 +173,7 @@ def _intact(d: Path) -> bool:
     return False
 
 
-def _with_ancestors(root: Path, names: set[str]) -> set[str]:
+def with_ancestors(root: Path, names: set[str]) -> set[str]:
     """Snapshot copies and the copies they link to as their parents."""
     out, todo = set(), list(names)
     while todo:
@@ -194,7 +194,7 @@ def _uffd_users(p: Paths) -> set[str]:
     for r in records.all_records(p):
         if "uffd" in r.extra and r.snapshot and (r.pid1 is None or r.running()):
             users.add(r.snapshot)
-    return _with_ancestors(p.run / "uffd-images", users)
+    return with_ancestors(p.run / "uffd-images", users)
 
 
 def release_images(p: Paths | None = None, snap_id: str | None = None, *, force: bool = False) -> list[str]:
@@ -407,7 +407,7 @@ def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
     files = sorted(f.name for f in d.iterdir() if f.name.split(".")[0] not in ids
                    and not f.name.endswith(".log")) if d.exists() else []
     root = p.run / "uffd-images"
-    used = _with_ancestors(root, {r.snapshot for r in recs if "uffd" in r.extra})
+    used = with_ancestors(root, {r.snapshot for r in recs if "uffd" in r.extra})
     imgs = sorted(x.name for x in root.iterdir() if x.is_dir() and x.name not in used) \
         if os.path.ismount(root) else []
     return {"files": files, "images": imgs}
