@@ -90,7 +90,7 @@ def shell_run(tmp_path_factory):
     return run_dir, trajs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # its desktops live until the explore tests end, not the session
 def desktop_run(tmp_path_factory):
     """A real desktop group (G=2, pyautogui clicks and typing, screenshots, accessibility tree,
     terminal), recorded by the rollout engine; its workspaces stay up for the live view.
@@ -175,7 +175,9 @@ def host_chromium() -> tuple[str, dict]:
     return str(exe), {**os.environ, "LD_LIBRARY_PATH": ":".join(map(str, libs))}
 
 
-@pytest.fixture(scope="session")
+# package scope: playwright's sync API keeps an event loop running in this thread while it is
+# open, and later tests of the session (asyncio.run in the e2b SDK tests) must not see it
+@pytest.fixture(scope="package")
 def browser():
     from playwright.sync_api import sync_playwright
 
