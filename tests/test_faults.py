@@ -131,7 +131,8 @@ def _assert_runs_on(ws: Workspace) -> None:
 
 def _procs(ws: Workspace) -> set[str]:
     """The workspace's processes ('pid ppid comm args'), less the counter's short-lived sleeps."""
-    return {r for r in host.proc_tree(ws) if not r.endswith(("sleep 0.05", "[sleep] <defunct>"))}
+    # an exiting sleep shows with no command line ("[sleep]") for a moment before it is defunct
+    return {r for r in host.proc_tree(ws) if not r.endswith(("sleep 0.05", "[sleep] <defunct>", "sleep [sleep]"))}
 
 
 def _prepare(ws: Workspace, hold_mb: int = 0) -> set[str]:

@@ -4,6 +4,7 @@ the env, get_reward is the task's score, a multimodal desktop returns the screen
 from __future__ import annotations
 
 import re
+import time
 
 from bunshin_gym.integrations.trl import DesktopEnvironment, WebEnvironment
 
@@ -18,6 +19,12 @@ def test_desktop_tools_solve_a_task_and_show_the_screen():
         assert text["text"].startswith("Create a folder named projects")
         out = env.type_text("mkdir ~/projects\n")
         assert out[-1]["type"] == "text" and "error" not in out[-1]["text"]
+        # the keys are typed when the tool returns; the terminal's shell runs them a moment
+        # later (on a loaded host, after done() had already scored the task once)
+        ws = env.env.unwrapped.workspace
+        deadline = time.monotonic() + 30
+        while ws.exec("test -d /home/user/projects").exit_code and time.monotonic() < deadline:
+            time.sleep(0.2)
         out = env.done()
         assert out[-1]["text"].endswith("[episode ended]")
         assert env.get_reward() == 1.0
