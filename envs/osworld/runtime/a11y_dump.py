@@ -901,14 +901,7 @@ def role_tables(cache: str | None) -> dict:
     roles = [Atspi.role_get_name(Atspi.Role(r)) or "" for r in range(int(Atspi.Role.LAST_DEFINED))]
     tables = {"roles": roles, "extended": int(Atspi.Role.EXTENDED), "defunct": int(Atspi.StateType.DEFUNCT),
               "states": {s: int(st) for s, st in _state_types(Atspi).items()}}
-    if cache:
-        try:
-            tmp = f"{cache}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(tables, f)
-            os.replace(tmp, cache)
-        except OSError as e:
-            print(f"a11y: role table not cached at {cache}: {e}", file=sys.stderr)
+    _save_json(cache, tables)
     return tables
 
 
