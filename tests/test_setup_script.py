@@ -99,3 +99,22 @@ def test_debian_archive_without_override_is_the_host_apt_archive():
     assert res.returncode == 0
     assert uris, "this host's apt has no bookworm/main archive"
     assert res.stdout.strip() == uris[0]
+
+
+def test_setup_installs_every_extra_and_every_dependency_is_pinned():
+    """A fresh machine gets exactly what the package needs, at the pinned versions: setup.sh
+    installs every optional extra of pyproject.toml (one left out would be missing only on new
+    machines: CI's venv already has it), and each direct dependency has a pin in constraints.txt."""
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    line = re.search(r'-e "\$REPO\[([^\]]*)\]"', (repo / "scripts/setup.sh").read_text())
+    assert line, "setup.sh installs the package with no extras list"
+    assert set(line.group(1).split(",")) == extras
+    pins = {re.split(r"[=@ ]", p, maxsplit=1)[0].strip().lower().replace("_", "-")
+            for p in (repo / "constraints.txt").read_text().splitlines() if p and not p.startswith("#")}
+    deps = project["dependencies"] + [d for ds in project["optional-dependencies"].values() for d in ds]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in deps}
+    assert names - pins == set()
