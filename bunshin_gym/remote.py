@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -219,6 +220,21 @@ class RemoteGroup:
                 self._conn.request("DELETE", f"/envs/groups/{self.remote_id}")
             finally:
                 self._conn.release()
+
+
+def wait_for_server(url: str, proc=None, timeout: float = 60.0) -> None:
+    """Wait until ``bunshin serve`` at ``url`` answers its health check; RemoteError if it
+    does not within ``timeout`` seconds or its process (``proc``, a Popen) exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 204:
+                return
+        except httpx.TransportError:
+            pass
+        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            raise RemoteError(f"the server at {url} did not start")
+        time.sleep(0.1)
 
 
 def _keepalive(ref: weakref.ref, stop: threading.Event, every: float) -> None:

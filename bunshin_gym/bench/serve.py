@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 import gymnasium as gym
-import httpx
 
 from bunshin_gym.bench.report import summary, table, write
+from bunshin_gym.remote import RemoteError, wait_for_server
 
 SHELL_TASK = "shell/count-files"
 DESKTOP_TASK = "osworld/editor-append-item"
@@ -52,16 +52,10 @@ class _Server:
             [sys.executable, "-m", "bunshin_gym.serve", "--port", str(self.port), "--token-file",
              str(tmp / "tokens.json"), "--state-dir", str(tmp / "state"), "--close-on-exit", "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 204:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start; see {tmp / 'server.log'}")
-            time.sleep(0.1)
+        try:
+            wait_for_server(self.url, self.proc)
+        except RemoteError as e:
+            raise RuntimeError(f"{e}; see {tmp / 'server.log'}") from None
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bunshin_gym.remote import RemoteError, wait_for_server
+
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789"  # a quota of one workspace
 
@@ -44,16 +46,10 @@ class Server:
             [sys.executable, "-m", "bunshin_gym.serve", "--port", str(self.port), "--token-file", str(tokens),
              "--state-dir", str(self.state_dir), "--log-level", "info", *extra],
             stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 204:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {self.log}")
-            time.sleep(0.1)
+        try:
+            wait_for_server(self.url, self.proc)
+        except RemoteError as e:
+            raise RuntimeError(f"{e}: {self.log}") from None
 
     @property
     def log(self) -> str:
