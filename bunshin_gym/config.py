@@ -267,14 +267,15 @@ class Limits:
         unnamed fields from :meth:`from_env`), or None (all from :meth:`from_env`)."""
         if isinstance(value, Limits):
             return value
-        base = cls.from_env()
         if value is None:
-            return base
+            return cls.from_env()
         if not isinstance(value, dict):
             raise TypeError(f"limits: want a Limits or a dict, got {type(value).__name__}")
         unknown = set(value) - {"memory", "pids", "disk"}
         if unknown:
             raise ValueError(f"limits: unknown keys {sorted(unknown)} (known: memory, pids, disk)")
+        # a workspace's record names all three: the environment is read only for a partial dict
+        base = cls.from_env() if len(value) < 3 else cls()
         return cls(
             memory=parse_size(value["memory"]) if "memory" in value else base.memory,
             pids=_parse_count(value["pids"]) if "pids" in value else base.pids,

@@ -173,6 +173,58 @@ def test_runs_as_user(ws):
     assert ws.exec("stat -c %U /tmp/owned-by-user; rm /tmp/owned-by-user", check=True).text == "user\n"
 
 
+# what a command started as a user observes: the same as from Popen(user=, group=), which the
+# agent used before it started user commands through ``/.bunshin/init runas`` (to vfork)
+_OBSERVE = ("grep -E '^(Uid|Gid|Groups|Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|SigBlk|SigIgn|SigCgt):' "
+            "/proc/self/status; echo pid-is-sid $(( $$ == $(ps -o sid= -p $$) )) $(( $$ == $(ps -o pgid= -p $$) )); "
+            "ls /proc/self/fd | wc -l; umask; ulimit -n; cat /proc/$PPID/comm")
+_REFERENCE = """
+import pwd, subprocess, sys
+pw = pwd.getpwnam("user")
+cmd = sys.argv[1]
+env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+       "TERM": "xterm", "HOME": pw.pw_dir, "USER": "user", "LOGNAME": "user"}
+try:
+    p = subprocess.run(["/bin/sh", "-c", cmd] if cmd != "-" else sys.argv[2:], user="user", group=pw.pw_gid,
+                       start_new_session=True, capture_output=True, cwd="/tmp", env=env)
+    sys.stdout.buffer.write(p.stdout + p.stderr)
+except OSError as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def test_a_users_command_observes_what_popen_user_gives(ws):
+    ws.write_file("/tmp/reference.py", _REFERENCE)
+    ref = ws.exec(["python3", "/tmp/reference.py", _OBSERVE], check=True).text
+    got = ws.exec(_OBSERVE, user="user", cwd="/tmp", check=True).text
+    assert got == ref  # the parent's comm too: the agent is python3 as the reference is
+    assert "Uid:\t1000\t1000\t1000\t1000" in got and "CapEff:\t0000000000000000" in got
+    assert "pid-is-sid 1 1" in got and got.splitlines()[-4] == "4"  # fds 0-2 and ls's own: no report pipe
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["no-such-program-xyz"], "FileNotFoundError: [Errno 2] No such file or directory: 'no-such-program-xyz'"),
+    (["/tmp/not-executable"], "PermissionError: [Errno 13] Permission denied: '/tmp/not-executable'"),
+    (["/tmp/no-shebang"], "OSError: [Errno 8] Exec format error: '/tmp/no-shebang'"),
+])
+def test_a_users_program_that_cannot_start_fails_as_popen_user_does(ws, argv, error):
+    ws.write_file("/tmp/reference.py", _REFERENCE)
+    ws.write_file("/tmp/not-executable", "#!/bin/sh\necho ran\n", mode=0o644)
+    ws.write_file("/tmp/no-shebang", "echo ran\n", mode=0o755)  # a shell would run it; exec does not
+    assert ws.exec(["python3", "/tmp/reference.py", "-", *argv], check=True).text.strip() == error
+    with pytest.raises(AgentError) as ei:
+        ws.exec(argv, user="user", cwd="/tmp")
+    assert error in str(ei.value)
+    assert ws.exec("echo still fine", user="user", check=True).text == "still fine\n"
+
+
+def test_a_users_program_is_found_on_its_path(ws):
+    ws.write_file("/tmp/bin-a/tool", "#!/bin/sh\necho from-a\n", mode=0o644, mkdirs=True)  # not executable
+    ws.write_file("/tmp/bin-b/tool", "#!/bin/sh\necho from-b \"$0\"\n", mode=0o755, mkdirs=True)
+    res = ws.exec(["tool"], user="user", env={"PATH": "/tmp/no-dir:/tmp/bin-a:/tmp/bin-b/"}, check=True)
+    assert res.text == "from-b /tmp/bin-b/tool\n"  # past ENOENT and EACCES; one slash, as os.path.join
+
+
 def test_unknown_user_names_the_user(ws):
     with pytest.raises(AgentError, match="nosuchuser"):
         ws.exec("true", user="nosuchuser")

@@ -156,13 +156,11 @@ class Cgroup:
                 str(self.dirs[0] / ("memory.events" if unified() else "memory.oom_control")),
                 str(pids_dir / "pids.events") if pids_dir is not None else None,
             )
-        with open(files[0], "rb") as f:
-            oom = _field(f.read().decode(), "oom_kill")
+        oom = _field(_read_small(files[0]), "oom_kill")
         refused = 0
         if files[1] is not None:
             try:
-                with open(files[1], "rb") as f:
-                    refused = _field(f.read().decode(), "max")
+                refused = _field(_read_small(files[1]), "max")
             except FileNotFoundError:  # a kernel whose pids controller counts no events
                 pass
         return {"oom_kill": oom, "pids_max": refused}
@@ -257,6 +255,15 @@ class Cgroup:
                         raise WorkspaceError(f"cannot remove cgroup {d}: {e}") from e
                     self.kill_all()
                     time.sleep(0.005)
+
+
+def _read_small(path: str) -> str:
+    """A small kernel file in one read (os calls: a third of the cost of open().read())."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
 
 
 def _field(text: str, key: str) -> int:

@@ -17,11 +17,19 @@ from bunshin_gym.config import Paths, paths
 
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of a process, None when gone."""
+    # os.read, not Path.read_text: a quarter of the time, and this runs several times per env step
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
         return None
-    return fields[0], int(fields[19])
+    try:
+        raw = os.read(fd, 4096)
+    except ProcessLookupError:  # exited between the open and the read
+        return None
+    finally:
+        os.close(fd)
+    fields = raw.rsplit(b")", 1)[1].split()
+    return fields[0].decode(), int(fields[19])
 
 
 def proc_start_time(pid: int) -> int | None:
