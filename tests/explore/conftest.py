@@ -9,6 +9,7 @@ with the image's libraries on its library path.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -20,11 +21,12 @@ import gymnasium as gym
 import pytest
 
 import bunshin_gym  # noqa: F401 - registers the envs
+from bunshin_gym import config
 from bunshin_gym.rollout import PrefixCache, SpecToolSelector, Speculation, StepLog, TrajectoryLog, signature
 
 REPO = Path(__file__).resolve().parents[2]
-#: where the page's screenshots go, for a reviewer to look at (BUNSHIN_EXPLORE_SHOTS overrides)
-SHOTS = Path(os.environ.get("BUNSHIN_EXPLORE_SHOTS", REPO / "bench" / "results" / "explore"))
+#: the committed screenshots of the page (bench/results/explore) are refreshed on purpose only:
+#: ``BUNSHIN_EXPLORE_SHOTS=bench/results/explore .venv/bin/python -m pytest tests/explore/test_page.py``
 
 # the shell run: what each member of a group does (member i plays PLANS[i])
 COUNT_FILES = [["ls /data", "ls /data | wc -l > answer.txt", "DONE"],
@@ -202,10 +204,15 @@ def page(browser):
 
 
 @pytest.fixture(scope="session")
-def shots() -> Path:
-    """The folder the page's screenshots are kept in (printed in the test summary)."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    return SHOTS
+def shots(tmp_path_factory) -> Path:
+    """The folder the page's screenshots (and the 10k-step timing) go to: pytest's temporary
+    folder, so a test run leaves the git tree as it was; ``BUNSHIN_EXPLORE_SHOTS`` names
+    another (relative: to the repository), e.g. the committed ``bench/results/explore``."""
+    wanted = config.get("BUNSHIN_EXPLORE_SHOTS")
+    out = (REPO / wanted) if wanted else tmp_path_factory.mktemp("explore-shots")
+    out.mkdir(parents=True, exist_ok=True)
+    logging.getLogger(__name__).info("explorer screenshots: %s", out)
+    return out
 
 
 def copy_run(src: Path, dst: Path) -> Path:

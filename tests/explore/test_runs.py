@@ -172,3 +172,13 @@ def test_step_log_observations_stay_small(tmp_path):
     assert served_from({"cache": "hit"}) == "cache"
     assert served_from({"cache": "miss", "speculation": "hit"}) == "speculation"
     assert served_from({"cache": "miss"}) == "executed"
+
+
+def test_screenshots_go_to_pytests_temporary_folder(shots, tmp_path_factory):
+    """A plain test run leaves bench/results/explore (committed) as it was."""
+    from bunshin_gym import config
+
+    if config.get("BUNSHIN_EXPLORE_SHOTS"):
+        assert shots.is_dir()  # refreshing the committed screenshots on purpose
+        return
+    assert shots.is_relative_to(tmp_path_factory.getbasetemp()) and shots.is_dir()
