@@ -45,9 +45,15 @@ ENVS = {
 def group_creator(env_id: str):
     """The vector entry point of ``env_id``: ``gym.make_vec(env_id, num_envs=G,
     vectorization_mode="vector_entry_point", **kwargs)`` builds one GRPO group
-    (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`) of that env."""
+    (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`) of that env; with ``cluster=C`` (a
+    :class:`~bunshin_gym.cluster.BunshinCluster`) the group lives on one host of C, chosen by
+    its placement (:class:`~bunshin_gym.cluster.vector.ClusterGroupVectorEnv`)."""
 
-    def create(num_envs: int, **kwargs):
+    def create(num_envs: int, cluster=None, **kwargs):
+        if cluster is not None:
+            from bunshin_gym.cluster.vector import ClusterGroupVectorEnv
+
+            return ClusterGroupVectorEnv(cluster, env_id, num_envs, **kwargs)
         from bunshin_gym.rollout.group import GroupVectorEnv
 
         return GroupVectorEnv(env_id, num_envs, **kwargs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,8 +97,10 @@ class BunshinCluster:
     """Host actors and the batch scheduler over them.
 
     Args:
-        hosts: simulated hosts on this machine: a count or their names; None: one host per
-            alive Ray node, with that node's own configuration.
+        hosts: simulated hosts: a count or their names (all on the driver's Ray node), or a
+            mapping of names to the Ray node ids each is pinned to (one machine, several Ray
+            nodes: ``ray.cluster_utils.Cluster``); None: one host per alive Ray node, with that
+            node's own configuration.
         placement: ``prefix`` (cache-aware) or ``random``.
         threshold: groups a host runs before a prefix match gives way to load.
         capacity: groups a host runs at once.
@@ -110,9 +112,9 @@ class BunshinCluster:
         fresh: hosts start empty (see :class:`HostActor`).
     """
 
-    def __init__(self, hosts: int | Sequence[str] | None = None, *, placement: str = "prefix", threshold: int = 2,
-                 capacity: int = 2, migrate: bool = True, speculation: bool = False, snapshot_every: int = 2,
-                 env_id: str = "Bunshin-Shell-v0", seed: int = 0, fresh: bool = False):
+    def __init__(self, hosts: int | Sequence[str] | Mapping[str, str] | None = None, *, placement: str = "prefix",
+                 threshold: int = 2, capacity: int = 2, migrate: bool = True, speculation: bool = False,
+                 snapshot_every: int = 2, env_id: str = "Bunshin-Shell-v0", seed: int = 0, fresh: bool = False):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -135,6 +137,12 @@ class BunshinCluster:
         here = ray.get_runtime_context().get_node_id()
         if hosts is None:  # one host per Ray node, each with its node's defaults
             placed = {n["NodeID"][:8]: (n["NodeID"], {}) for n in ray.nodes() if n["Alive"]}
+        elif isinstance(hosts, Mapping):  # simulated hosts, each pinned to the Ray node given
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            unknown = sorted(f"{h}: {n}" for h, n in hosts.items() if n not in alive)
+            if unknown:
+                raise ValueError(f"hosts pinned to no alive Ray node: {', '.join(unknown)}")
+            placed = {name: (node_id, nodes.prepare(name).env()) for name, node_id in hosts.items()}
         else:
             placed = {name: (here, nodes.prepare(name).env()) for name in hosts}
         remote = ray.remote(HostActor)
@@ -238,6 +246,42 @@ class BunshinCluster:
         """Copy a snapshot (and the chain it needs) from ``source`` to ``target`` now."""
         self._migrate(Decision(target, "explicit", migrate_from=source, snapshot=snapshot))
         return self.migrations[-1]
+
+    # one group at a time (gym.make_vec(..., cluster=...)) -------------------------------
+    def loads(self) -> dict[str, int]:
+        """Each live host's load (groups running or open there); a host found dead is
+        dropped (:meth:`_host_died`)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = {h: self.hosts[h].load.remote() for h in self.alive}
+        out = {}
+        for host, ref in refs.items():
+            try:
+                out[host] = ray.get(ref)
+            except RayActorError as e:
+                self._host_died(host, e)
+        return out
+
+    def place(self, task: str, prefix: Sequence[str] = (), *, loads: Mapping[str, int] | None = None) -> Decision:
+        """Where one group of ``task`` goes now (the batch's rule, :class:`Placer`), its
+        snapshot migrated first when the decision says so. Past every host's capacity it
+        goes to the least-loaded host anyway: a vector env is placed once, not queued."""
+        loads = dict(self.loads() if loads is None else loads)
+        if not loads:
+            raise RuntimeError(f"no host alive (dead: {', '.join(f'{h}: {w}' for h, w in self.dead.items())})")
+        decision = self.placer.choose(task, loads, self.index, prefix)
+        if decision is None:
+            decision = Decision(min(sorted(loads), key=lambda h: loads[h]), "least-loaded")
+        if decision.migrate_from:
+            self._migrate(decision)
+        return decision
+
+    def apply_events(self, host: str) -> None:
+        """Bring the index up to date with what ``host`` cached since it last reported."""
+        import ray
+
+        self.index.apply(host, ray.get(self.hosts[host].events.remote()))
 
     # faults ----------------------------------------------------------------------------
     def kill_host(self, name: str) -> None:

@@ -110,6 +110,7 @@ class HostActor:
         self._load = 0  # groups running here
         self._reported: dict[str, IndexEntry] = {}  # what the index was told
         self._workspaces: dict[str, Any] = {}
+        self._groups: dict[str, Any] = {}  # open vector groups (gym.make_vec(..., cluster=...)), by id
         self._work = {"groups": 0, "calls": 0, "executed": 0, "cache": 0, "speculation": 0,
                       "imported": 0, "exported": 0}
         self._peak = 0
@@ -135,6 +136,11 @@ class HostActor:
                 "snapshots": sorted(s.id for s in SnapshotStore(self.p).list()),
                 "memory_bytes": self._memory(), "peak_memory_bytes": self._peak,
                 "cache": self.cache.stats.as_dict()}
+
+    def load(self) -> int:
+        """Groups running (:meth:`run_group`) or open (:meth:`open_group`) here."""
+        with self._lock:
+            return self._load + len(self._groups)
 
     def reset_peak(self) -> int:
         """Start a new peak-memory window; returns the last one's peak (bytes)."""
@@ -219,6 +225,67 @@ class HostActor:
         return {"host": self.name, "task": task, "rewards": [t.reward for t in trajs], "kinds": kinds,
                 "errors": [t.error for t in trajs], "wall_s": round(time.perf_counter() - t0, 3),
                 "events": self.events()}
+
+    # one group driven call by call (gym.make_vec(..., cluster=...)) --------------------------
+    def open_group(self, env_id: str, num_envs: int, *, prefix_cache: bool = False,
+                   env_kwargs: dict | None = None) -> dict:
+        """Open a :class:`~bunshin_gym.rollout.group.GroupVectorEnv` here (its workspaces are
+        made at its first reset); ``prefix_cache``: its members are served by this host's
+        prefix cache. Returns its id and the single env's spaces."""
+        import uuid
+
+        import gymnasium as gym
+
+        import bunshin_gym  # noqa: F401 - registers the envs
+
+        envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
+                            cache=self.cache if prefix_cache else None, **(env_kwargs or {}))
+        gid = f"{self.name}-grp-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self._groups[gid] = envs
+        return {"id": gid, "observation_space": envs.single_observation_space,
+                "action_space": envs.single_action_space}
+
+    def group_reset(self, gid: str, seed: int | list[int] | None = None, options: dict | None = None) -> tuple:
+        return self._group(gid).reset(seed=seed, options=options)
+
+    def group_step(self, gid: str, actions: list) -> tuple:
+        envs = self._group(gid)
+        out = envs.step(actions)
+        return (*out, envs.active.copy())
+
+    def group_run(self, gid: str, policy: Callable[[int, Any, list], Any], options: dict | None = None,
+                  max_steps: int | None = None) -> dict:
+        """:meth:`GroupVectorEnv.run_group` here; the trajectories come back with each
+        member's exception only when it pickles (its text is in ``error`` anyway)."""
+        import pickle
+
+        envs = self._group(gid)
+        trajs = envs.run_group(policy, options=options, max_steps=max_steps)
+        for t in trajs:
+            if t.exception is not None:
+                try:
+                    pickle.dumps(t.exception)
+                except Exception:  # noqa: BLE001 - any exception may hold what does not pickle
+                    t.exception = None
+        with self._lock:
+            self._work["groups"] += 1
+        return {"trajectories": trajs, "active": envs.active.copy(), "task_id": envs.task_id}
+
+    def close_group(self, gid: str) -> None:
+        with self._lock:
+            envs = self._groups.pop(gid, None)
+        if envs is not None:
+            envs.close()
+            if envs.cache is not None:
+                self.cache.save()
+
+    def _group(self, gid: str) -> Any:
+        with self._lock:
+            envs = self._groups.get(gid)
+        if envs is None:
+            raise KeyError(f"no group {gid} on host {self.name} (closed, or never opened here)")
+        return envs
 
     # workspaces as handles -------------------------------------------------------------
     def create_workspace(self, image: str = "base", **kwargs: Any) -> WorkspaceHandle:
@@ -388,6 +455,12 @@ class HostActor:
         an owned host: everything under its paths; else what lost its owner)."""
         with self._lock:
             left, self._workspaces = list(self._workspaces.values()), {}
+            groups = list(self._groups)
+        for gid in groups:
+            try:
+                self.close_group(gid)
+            except Exception:  # noqa: BLE001 - one failed close must not keep the others open
+                log.exception("host %s: closing group %s failed", self.name, gid)
         for ws in left:
             try:
                 ws.close()
