@@ -124,15 +124,17 @@ class ProcessService:
             user = user_of(ctx.request_headers)
         except ServeError as e:
             raise _connect_error(e) from None
+        pty = None
         if request.has_field("pty"):
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not supported by bunshin serve")
+            size = request.pty.size or process_pb.PTY.Size()
+            pty = (size.rows, size.cols)
         proc = request.process or process_pb.ProcessConfig()
         if not proc.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is empty")
         command = await _call(sb.start, proc.cmd, list(proc.args), dict(proc.envs),
                               proc.cwd if proc.has_field("cwd") else None, user,
                               request.tag if request.has_field("tag") else None,
-                              request.stdin if request.has_field("stdin") else False)
+                              request.stdin if request.has_field("stdin") else False, pty)
         async for event in self._events(sb, command, ctx, kill_at_deadline=True):
             yield process_pb.StartResponse(event=event)
 
@@ -170,11 +172,15 @@ class ProcessService:
         out_at = err_at = 0
         delay, last_sent = POLL_FIRST, time.monotonic()
         while True:
-            code, out, err = await _call(sb.poll, command, out_at, err_at)
+            if command.pty:
+                code, out, out_at = await _call(sb.poll_pty, command, out_at)
+                err = b""
+            else:
+                code, out, err = await _call(sb.poll, command, out_at, err_at)
+                out_at += len(out)
             sb.touch()
             if out:
-                out_at += len(out)
-                yield ev(event=Oneof("data", ev.DataEvent(output=Oneof("stdout", out))))
+                yield ev(event=Oneof("data", ev.DataEvent(output=Oneof("pty" if command.pty else "stdout", out))))
             if err:
                 err_at += len(err)
                 yield ev(event=Oneof("data", ev.DataEvent(output=Oneof("stderr", err))))
@@ -230,12 +236,20 @@ class ProcessService:
     async def send_input(self, request, ctx) -> process_pb.SendInputResponse:
         sb = await self._sandbox(ctx)
         command = await _call(self._select, sb, request.process)
-        match request.input.input if request.input is not None else None:
-            case Oneof(field="stdin", value=data):
-                await _call(sb.send_stdin, command, data)
-            case _:
-                raise ConnectError(Code.UNIMPLEMENTED, "only stdin input is supported (no PTY)")
+        await self._input(sb, command, request.input)
         return process_pb.SendInputResponse()
+
+    @staticmethod
+    async def _input(sb: Sandbox, command: Command, given) -> None:
+        match given.input if given is not None else None:
+            case Oneof(field="stdin", value=data) if not command.pty:
+                await _call(sb.send_stdin, command, data)
+            case Oneof(field="stdin" | "pty", value=data) if command.pty:
+                await _call(sb.pty_input, command, data)
+            case Oneof(field="pty"):
+                raise ConnectError(Code.INVALID_ARGUMENT, f"process {command.pid} has no terminal: send it stdin")
+            case _:
+                raise ConnectError(Code.INVALID_ARGUMENT, "no input given (stdin or pty)")
 
     async def close_stdin(self, request, ctx) -> process_pb.CloseStdinResponse:
         sb = await self._sandbox(ctx)
@@ -243,11 +257,34 @@ class ProcessService:
         await _call(sb.close_stdin, command)
         return process_pb.CloseStdinResponse()
 
-    async def update(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY resize is not supported by bunshin serve")
+    async def update(self, request, ctx) -> process_pb.UpdateResponse:
+        sb = await self._sandbox(ctx)
+        command = await _call(self._select, sb, request.process)
+        if not request.has_field("pty") or request.pty.size is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "only a terminal's size can be updated: pty.size is missing")
+        await _call(sb.resize, command, request.pty.size.rows, request.pty.size.cols)
+        return process_pb.UpdateResponse()
 
-    async def stream_input(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "streamed stdin is not supported by bunshin serve; use send_stdin")
+    async def stream_input(self, requests: AsyncIterator[process_pb.StreamInputRequest],
+                           ctx) -> process_pb.StreamInputResponse:
+        """A start event naming the process, then its input, written in the order it comes."""
+        sb = await self._sandbox(ctx)
+        command = None
+        async for request in requests:
+            match request.event:
+                case Oneof(field="start", value=start):
+                    if command is not None:
+                        raise ConnectError(Code.INVALID_ARGUMENT, "a second start event in one input stream")
+                    command = await _call(self._select, sb, start.process)
+                case Oneof(field="data", value=data):
+                    if command is None:
+                        raise ConnectError(Code.INVALID_ARGUMENT, "input before the start event naming the process")
+                    await self._input(sb, command, data.input)
+                case Oneof(field="keepalive"):
+                    pass
+                case _:
+                    raise ConnectError(Code.INVALID_ARGUMENT, "an input stream event of no known kind")
+        return process_pb.StreamInputResponse()
 
 
 def _kill_quietly(sb: Sandbox, command: Command) -> None:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from bunshin_gym.serve import terminal
 from bunshin_gym.serve.registry import Conflict, Lease, NotFound, Registry, ServeError
 from bunshin_gym.workspace import AgentError, Workspace
 
@@ -156,6 +157,10 @@ class Command:
     exit_code: int | None = None
     #: set when the server signalled it (the exit code is then 128 + the signal)
     signalled: str | None = None
+    #: the user it runs as (its FIFOs are written as this user)
+    user: str = DEFAULT_USER
+    #: a PTY session (:mod:`bunshin_gym.serve.terminal`): output in segments, input by FIFO
+    pty: bool = False
 
 
 @dataclass
@@ -204,28 +209,36 @@ class Sandbox(Lease):
 
     # commands --------------------------------------------------------------------------
     def start(self, cmd: str, args: list[str], envs: dict[str, str], cwd: str | None, user: str,
-              tag: str | None, stdin: bool) -> Command:
-        """Spawn a command; returns once it runs (its pid known)."""
+              tag: str | None, stdin: bool, pty: tuple[int, int] | None = None) -> Command:
+        """Spawn a command (on a new terminal of ``pty`` = (rows, cols) when given); returns
+        once it runs (its pid known, a terminal's FIFOs made)."""
         d = f"{RUN_DIR}/{secrets.token_hex(6)}"
         env = {**self.env_vars, **envs}
+        argv = [cmd, *args]
+        if pty is not None:
+            terminal.check_size(*pty)
+            argv, stdin = terminal.helper_argv(d, pty[0], pty[1], cmd, list(args)), False
         with self.lock:
             ws = self.workspace()
             try:
-                ws.spawn(["/bin/sh", "-c", WRAPPER, "bunshin-run", d, "1" if stdin else "0", cmd, *args],
+                ws.spawn(["/bin/sh", "-c", WRAPPER, "bunshin-run", d, "1" if stdin else "0", *argv],
                          env=env, cwd=cwd, user=user)
             except AgentError as e:
                 raise ServeError(f"cannot start {cmd!r}: {e}", 400) from None
+        # a terminal is ready once its helper made its FIFOs; the wrapper's pid file comes before
+        ready = f"{d}/ready" if pty is not None else f"{d}/pid"
         deadline = time.monotonic() + 30
         while True:
             with self.lock:
-                pid = _read_optional(self.workspace(), f"{d}/pid")
+                pid = _read_optional(self.workspace(), ready) is not None and _read_optional(self.workspace(),
+                                                                                              f"{d}/pid")
                 failed = None if pid else _read_optional(self.workspace(), f"{d}/exit")
             if pid:
                 break
             if failed is not None or time.monotonic() > deadline:
                 raise ServeError(f"cannot start {cmd!r} as {user} (cwd {cwd or '~'}): the sandbox refused it", 400)
             time.sleep(0.002)
-        command = Command(int(pid), d, cmd, list(args), dict(envs), cwd, tag, stdin)
+        command = Command(int(pid), d, cmd, list(args), dict(envs), cwd, tag, stdin, user=user, pty=pty is not None)
         self.commands[command.pid] = command
         return command
 
@@ -246,10 +259,84 @@ class Sandbox(Lease):
             command.exit_code = int(code.strip() or b"-1")
         return command.exit_code, out[out_from:], err[err_from:]
 
+    def poll_pty(self, command: Command, offset: int) -> tuple[int | None, bytes, int]:
+        """(exit code or None, terminal output from ``offset``, the offset after it). The exit
+        code comes only with the last of the output; a client more than the kept segments
+        behind skips to the oldest kept one."""
+        seg_size = terminal.SEGMENT
+        with self.lock:
+            ws = self.workspace()
+            code = _read_optional(ws, f"{command.dir}/exit")
+            seg, pos = divmod(offset, seg_size)
+            chunks: list[bytes] = []
+            at_end = True
+            for i in range(terminal.SEGMENTS_PER_POLL + 1):
+                data = _read_optional(ws, f"{command.dir}/pty.{seg}")
+                if data is None:
+                    oldest = None if chunks else self._oldest_segment(command)
+                    if oldest is None or oldest <= seg:
+                        break
+                    log.info("sandbox %s: pty %s output from %d to %d was dropped (the client fell behind)",
+                             self.id, command.pid, offset, oldest * seg_size)
+                    seg, pos = oldest, 0
+                    continue
+                if i == terminal.SEGMENTS_PER_POLL:
+                    at_end = False  # more to read: the next poll goes on from here
+                    break
+                chunks.append(data[pos:])
+                if len(data) < seg_size:
+                    pos = len(data)
+                    break
+                seg, pos = seg + 1, 0
+        exit_code = None if code is None else int(code.strip() or b"-1")
+        if exit_code is not None:
+            command.exit_code = exit_code
+        return exit_code if at_end else None, b"".join(chunks), seg * seg_size + pos
+
+    def _pty_ended(self, command: Command) -> bool:
+        with self.lock:
+            code = _read_optional(self.workspace(), f"{command.dir}/exit")
+        if code is not None:
+            command.exit_code = int(code.strip() or b"-1")
+        return code is not None
+
+    def _oldest_segment(self, command: Command) -> int | None:
+        res = self.workspace().exec(["/bin/sh", "-c", 'cd "$1" && ls', "sh", command.dir], user=command.user,
+                                    timeout=10)
+        numbers = [int(n[4:]) for n in res.stdout.decode(errors="replace").split()
+                   if n.startswith("pty.") and n[4:].isdigit()]
+        return min(numbers) if numbers else None
+
+    def pty_input(self, command: Command, data: bytes) -> None:
+        """Bytes typed on a PTY session's terminal."""
+        self._to_fifo(command, "pin", data)
+
+    def resize(self, command: Command, rows: int, cols: int) -> None:
+        terminal.check_size(rows, cols)
+        self._to_fifo(command, "ctl", f"{rows} {cols}\n".encode())
+
+    def _to_fifo(self, command: Command, fifo: str, data: bytes) -> None:
+        if not command.pty:
+            raise ServeError(f"process {command.pid} has no terminal (start it with pty.create)", 400)
+        if len(data) > terminal.MAX_INPUT:
+            raise ServeError(f"{len(data)} bytes of input, over the limit of {terminal.MAX_INPUT}", 400)
+        if self._pty_ended(command):
+            raise NotFound(f"process {command.pid} has already ended")
+        # opened read-write: the open never blocks, even if the helper is gone; run as the
+        # session's user, whose FIFO it is (root would follow whatever the user put there)
+        with self.lock:
+            res = self.workspace().exec(["/bin/sh", "-c", 'exec 3<>"$1" && cat >&3', "sh", f"{command.dir}/{fifo}"],
+                                        stdin=data, user=command.user, timeout=30)
+        if not res.ok:
+            raise ServeError(f"process {command.pid}: writing to its terminal failed: "
+                             f"{res.stderr.decode(errors='replace')[-500:]}", 400)
+
     def running(self) -> list[Command]:
         out = []
         for c in list(self.commands.values()):
-            if c.exit_code is None:
+            if c.exit_code is None and c.pty:
+                self._pty_ended(c)
+            elif c.exit_code is None:
                 self.poll(c, 0, 0)
             if c.exit_code is None:
                 with self.lock:
@@ -263,9 +350,14 @@ class Sandbox(Lease):
     def signal(self, command: Command, sig: str) -> None:
         """Signal the command's process group (its children too)."""
         with self.lock:
+            groups = [str(command.pid)]
+            if command.pty:  # the terminal's shell leads a session of its own
+                child = _read_optional(self.workspace(), f"{command.dir}/child")
+                if child and child.strip().isdigit():
+                    groups.append(child.strip().decode())
             # bash's kill: procps' and dash's do not take a negative pid (a group) after --
-            res = self.workspace().exec(["/bin/bash", "-c", 'kill -s "$1" -- "-$2"', "bash", sig, str(command.pid)],
-                                        timeout=10)
+            res = self.workspace().exec(["/bin/bash", "-c", 'sig=$1; shift; kill -s "$sig" -- "${@/#/-}"', "bash",
+                                         sig, *groups], timeout=10)
         if not res.ok and b"No such process" not in res.stderr:
             raise ServeError(f"cannot signal process {command.pid}: {res.stderr.decode(errors='replace')}", 500)
         command.signalled = sig
