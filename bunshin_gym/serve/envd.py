@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from bunshin_gym.serve.registry import Registry, ServeError
+from bunshin_gym.serve import watch
+from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import DEFAULT_USER, Command, Paused, Sandbox, resolve
 from bunshin_gym.workspace import WorkspaceError
 
@@ -306,7 +307,8 @@ def _entry(d: dict) -> filesystem_pb.EntryInfo:
 
 
 class FilesystemService:
-    """``filesystem.Filesystem``: stat, list, make, move, remove (no watchers)."""
+    """``filesystem.Filesystem``: stat, list, make, move, remove, and watchers by polling
+    (:mod:`bunshin_gym.serve.watch`)."""
 
     def __init__(self, registry: Registry):
         self.registry = registry
@@ -339,17 +341,78 @@ class FilesystemService:
         await self._run(ctx, "remove", request.path)
         return filesystem_pb.RemoveResponse()
 
-    def watch_dir(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by bunshin serve")
+    async def _watcher(self, ctx, request) -> tuple[Sandbox, watch.Watcher]:
+        """A new watcher of the request's directory, with its first listing."""
+        if request.include_entry:
+            raise ConnectError(Code.UNIMPLEMENTED, "include_entry is not supported by bunshin serve")
+        try:
+            sb = sandbox_of(self.registry, ctx.request_headers)
+            user = user_of(ctx.request_headers)
+            watcher = watch.Watcher(resolve(request.path, user), request.recursive, user)
+        except Exception as e:  # noqa: BLE001
+            raise _connect_error(e) from None
+        watcher.entries = await _call(watch.list_tree, sb, watcher)
+        return sb, watcher
 
-    async def create_watcher(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by bunshin serve")
+    @staticmethod
+    async def _changes(sb: Sandbox, watcher: watch.Watcher) -> list[filesystem_pb.FilesystemEvent]:
+        entries = await _call(watch.list_tree, sb, watcher)
+        events = watch.diff(watcher.entries, entries)
+        watcher.entries = entries
+        return [filesystem_pb.FilesystemEvent(name=name, type=kind) for name, kind in events]
 
-    async def get_watcher_events(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by bunshin serve")
+    def watch_dir(self, request, ctx) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
+        return self._watch_dir(request, ctx)
 
-    async def remove_watcher(self, request, ctx):
-        raise ConnectError(Code.UNIMPLEMENTED, "watching directories is not supported by bunshin serve")
+    async def _watch_dir(self, request, ctx):
+        """Start, then each change as a poll finds it, keepalives while quiet; until the
+        request's deadline or the client goes."""
+        sb, watcher = await self._watcher(ctx, request)
+        res = filesystem_pb.WatchDirResponse
+        yield res(event=Oneof("start", res.StartEvent()))
+        delay, last_sent = watch.POLL_FIRST, time.monotonic()
+        while True:
+            await asyncio.sleep(delay)
+            events = await self._changes(sb, watcher)
+            sb.touch()
+            for event in events:
+                yield res(event=Oneof("filesystem", event))
+            now = time.monotonic()
+            if events:
+                delay, last_sent = watch.POLL_FIRST, now
+            else:
+                delay = min(delay * watch.POLL_GROWTH, watch.POLL_MAX)
+                if now - last_sent >= KEEPALIVE_S:
+                    last_sent = now
+                    yield res(event=Oneof("keepalive", res.KeepAlive()))
+
+    async def create_watcher(self, request, ctx) -> filesystem_pb.CreateWatcherResponse:
+        sb, watcher = await self._watcher(ctx, request)
+        try:
+            watch.add_watcher(sb.watchers, watcher)
+        except ServeError as e:
+            raise _connect_error(e) from None
+        return filesystem_pb.CreateWatcherResponse(watcher_id=watcher.id)
+
+    async def _known(self, ctx, watcher_id: str) -> tuple[Sandbox, watch.Watcher]:
+        try:
+            sb = sandbox_of(self.registry, ctx.request_headers)
+            watcher = sb.watchers.get(watcher_id)
+            if watcher is None:
+                raise NotFound(f"no watcher {watcher_id!r} in sandbox {sb.id}")
+        except Exception as e:  # noqa: BLE001
+            raise _connect_error(e) from None
+        return sb, watcher
+
+    async def get_watcher_events(self, request, ctx) -> filesystem_pb.GetWatcherEventsResponse:
+        """What changed since the watcher's last listing (its creation or the last call)."""
+        sb, watcher = await self._known(ctx, request.watcher_id)
+        return filesystem_pb.GetWatcherEventsResponse(events=await self._changes(sb, watcher))
+
+    async def remove_watcher(self, request, ctx) -> filesystem_pb.RemoveWatcherResponse:
+        sb, watcher = await self._known(ctx, request.watcher_id)
+        sb.watchers.pop(watcher.id, None)
+        return filesystem_pb.RemoveWatcherResponse()
 
 
 def rpc_apps(registry: Registry) -> dict[str, object]:
