@@ -58,6 +58,7 @@ class _Connection:
         token = token or config.get("BUNSHIN_SERVE_TOKEN")
         if not token:
             raise RemoteError("a RemoteEnv needs a token: token=... or $BUNSHIN_SERVE_TOKEN")
+        self.server, self.token, self.timeout = server, token, timeout  # what a pickled env reconnects with
         # idle connections are dropped well before the server's keep-alive (75 s) closes them
         self.http = httpx.Client(base_url=server.rstrip("/"), headers={"Authorization": f"Bearer {token}"},
                                  timeout=timeout, limits=httpx.Limits(keepalive_expiry=30.0))
@@ -118,6 +119,8 @@ class RemoteEnv(gym.Env):
                 raise
         with self._conn.lock:
             self._conn.users += 1
+        # the connection is released once: by close()/detach(), else when the env is collected
+        self._release = weakref.finalize(self, self._conn.release)
         self.remote_id: str = desc["id"]
         self.observation_space = codec.space_from_json(desc["observation_space"]) or gym.spaces.Space()
         self.action_space = codec.space_from_json(desc["action_space"]) or gym.spaces.Space()
@@ -160,8 +163,46 @@ class RemoteEnv(gym.Env):
                 log.warning("closing remote env %s: %s", self.remote_id, e)
         finally:
             self._closed = True
-            self._conn.release()
+            self._release()
         super().close()
+
+    def detach(self) -> None:
+        """Drop this handle without closing the env on the server (another handle, or a later
+        :meth:`attach`, goes on using it): keepalives stop, the connection is released."""
+        if not self._closed:
+            self._stop.set()
+            self._closed = True
+            self._release()
+
+    # handles in other processes (Ray workers) --------------------------------------------
+    def __reduce__(self):
+        """A RemoteEnv pickles as what reattaches to the same env on the server: its URL, id,
+        description and token (the token travels with it: pickle it only where the token may
+        go). The copy is the same env: ``close()`` on any handle ends it for all; a worker
+        done with its copy lets it go (or calls :meth:`detach`)."""
+        if self._closed:
+            raise RemoteError(f"RemoteEnv {self.remote_id} is closed: there is nothing to reattach to")
+        conn = self._conn
+        return _reattach, (self.env_id, conn.server, conn.token, conn.timeout, self._desc)
+
+    @classmethod
+    def attach(cls, env_id: str, server: str, remote_id: str, *, token: str | None = None,
+               timeout: float = 600.0) -> RemoteEnv:
+        """A handle on env ``remote_id`` already made on ``server`` (by this token's owner),
+        e.g. in another process. Its spaces are those of ``env_id``'s local registration."""
+        conn = _Connection(server, token, timeout)
+        try:
+            conn.request("POST", f"/envs/{remote_id}/keepalive")  # there, and ours
+            probe = gym.make(env_id)  # no workspace until reset: only the spaces are read
+            try:
+                spaces = {"observation_space": codec.space_to_json(probe.observation_space),
+                          "action_space": codec.space_to_json(probe.action_space)}
+            finally:
+                probe.close()
+        except BaseException:
+            conn.http.close()
+            raise
+        return cls(env_id, server, _attach=(conn, {"id": remote_id, **spaces}))
 
     # fork API --------------------------------------------------------------------------
     def clone(self, n: int = 1, *, lazy: bool = False) -> list[RemoteEnv]:
@@ -180,6 +221,11 @@ class RemoteEnv(gym.Env):
 
     def __repr__(self) -> str:
         return f"<RemoteEnv {self.env_id} {self.remote_id} on {self.server}>"
+
+
+def _reattach(env_id: str, server: str, token: str, timeout: float, desc: dict) -> RemoteEnv:
+    """Unpickle a RemoteEnv: a new connection to the same env on the server."""
+    return RemoteEnv(env_id, server, _attach=(_Connection(server, token, timeout), desc))
 
 
 class RemoteGroup:
