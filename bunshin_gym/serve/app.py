@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from bunshin_gym.config import paths
-from bunshin_gym.serve import e2b_api, envd, envs_api
+from bunshin_gym.serve import e2b_api, envd, envs_api, ports
 from bunshin_gym.serve.auth import Principal, TokenStore, token_from_headers
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import Command, Sandbox
@@ -135,6 +135,7 @@ class Service:
             sandboxes[sb.id] = {
                 "owner": sb.owner.name, "template": sb.template, "end_at": sb.end_at, "created": sb.created,
                 "timeout": sb.timeout, "idle_timeout": sb.idle_timeout, "envd_token": sb.envd_token,
+                "traffic_token": sb.traffic_token,
                 "metadata": sb.metadata, "env_vars": sb.env_vars, "auto_pause": sb.auto_pause,
                 "memory_limit": sb.memory_limit, "workspace": sb.ws.id if sb.ws is not None else None,
                 "paused_snapshot": sb.paused_snapshot.id if sb.paused_snapshot is not None else None,
@@ -198,6 +199,8 @@ class Service:
                      paused_snapshot=snap, metadata=d.get("metadata") or {}, env_vars=d.get("env_vars") or {},
                      envd_token=d["envd_token"], auto_pause=bool(d.get("auto_pause")),
                      timeout=d.get("timeout") or 300, memory_limit=memory)
+        if d.get("traffic_token"):
+            sb.traffic_token = d["traffic_token"]
         sb.commands = {c["pid"]: Command(**c) for c in d.get("commands") or []}
         self.registry.reserve(who, sb.workspaces, sb.memory)  # may exceed a quota lowered meanwhile: kept
         self.registry.add(sb)
@@ -285,8 +288,13 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
     rpc = envd.rpc_apps(service.registry)
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
-        # Connect-RPC paths go to the SDK's generated ASGI apps, everything else to FastAPI
+        # a host PORT-SANDBOX.DOMAIN is for a port inside that sandbox; Connect-RPC paths go
+        # to the SDK's generated ASGI apps, everything else to FastAPI
         if scope["type"] == "http":
+            host = next((v for k, v in scope["headers"] if k == b"host"), b"").decode("latin-1")
+            target = ports.target_of(host)
+            if target is not None:
+                return await ports.proxy(service.registry, scope, receive, send, *target)
             path = scope["path"]
             for prefix, rpc_app in rpc.items():
                 if path.startswith(prefix):

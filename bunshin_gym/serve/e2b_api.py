@@ -48,7 +48,8 @@ def _utc(epoch: float) -> datetime.datetime:
 def created_model(sb: Sandbox) -> dict:
     """What create, connect and each fork answer: the id and the envd access token."""
     return SandboxModel(template_id=sb.template, sandbox_id=sb.id, client_id="bunshin", envd_version=ENVD_VERSION,
-                        alias=sb.template, envd_access_token=sb.envd_token).to_dict()
+                        alias=sb.template, envd_access_token=sb.envd_token,
+                        traffic_access_token=sb.traffic_token).to_dict()
 
 
 def _common(sb: Sandbox) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import binascii
 import gzip
+import hashlib
 import hmac
 import logging
 import os
@@ -32,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
-from bunshin_gym.serve import watch
+from bunshin_gym.serve import ports, watch
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import DEFAULT_USER, Command, Paused, Sandbox, resolve
 from bunshin_gym.workspace import WorkspaceError
@@ -66,6 +67,40 @@ def sandbox_of(registry: Registry, headers) -> Sandbox:
     if not hmac.compare_digest(token.encode(), sb.envd_token.encode()):
         raise ServeError(f"sandbox {sb_id}: missing or wrong X-Access-Token", 401)
     return sb
+
+
+def signature_of(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+    """E2B's v1 signature of a file URL (the SDK's :func:`e2b.sandbox.signature.get_signature`
+    given the expiration it computed): sha256 over path, operation, user ("" for the
+    default), the envd access token and the expiration, base64 without padding."""
+    raw = f"{path}:{operation}:{user}:{token}" + (f":{expiration}" if expiration is not None else "")
+    return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+
+
+def signed_sandbox(registry: Registry, request: Request, operation: str) -> Sandbox:
+    """The sandbox a signed file URL (``upload_url``/``download_url``) is for, its signature
+    and expiry checked (ServeError 400/401). The URL names no sandbox when the SDK's sandbox
+    URL is this server, so the one whose token makes the signature is it."""
+    q = request.query_params
+    signature, path, user = q.get("signature") or "", q.get("path") or "", q.get("username") or ""
+    expiration = q.get("signature_expiration")
+    if expiration is not None:
+        if not expiration.isdigit():
+            raise ServeError("signature_expiration must be a Unix time in seconds", 400)
+        if int(expiration) < time.time():
+            raise ServeError("the signed URL has expired", 401)
+    named = request.headers.get("e2b-sandbox-id")
+    host = request.headers.get("host") or ""
+    prefix = f"{ports.ENVD_PORT}-"
+    if not named and host.startswith(prefix):
+        named = host[len(prefix):].partition(".")[0]
+    candidates = [registry.get(named, kind=Sandbox)] if named else registry.list(kind=Sandbox)
+    for sb in candidates:
+        expected = signature_of(path, operation, user, sb.envd_token, int(expiration) if expiration else None)
+        if hmac.compare_digest(signature.encode(), expected.encode()):
+            sb.touch()
+            return sb
+    raise ServeError(f"the signature does not match a {operation} of {path!r} by {user or 'the default user'}", 401)
 
 
 def user_of(headers) -> str:
@@ -440,7 +475,10 @@ def files_router(registry: Registry) -> APIRouter:
     router = APIRouter()
 
     def _target(request: Request) -> tuple[Sandbox, str, str | None]:
-        sb = sandbox_of(registry, request.headers)
+        if "signature" in request.query_params and not request.headers.get("x-access-token"):
+            sb = signed_sandbox(registry, request, "read" if request.method == "GET" else "write")
+        else:
+            sb = sandbox_of(registry, request.headers)
         user = request.query_params.get("username") or user_of(request.headers)
         path = request.query_params.get("path")
         return sb, user, resolve(path, user) if path else None

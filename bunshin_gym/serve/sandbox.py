@@ -173,6 +173,8 @@ class Sandbox(Lease):
     metadata: dict = field(default_factory=dict)
     env_vars: dict = field(default_factory=dict)
     envd_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    #: what a request to one of its ports must carry (:mod:`bunshin_gym.serve.ports`)
+    traffic_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     auto_pause: bool = False
     timeout: float = 300.0
     commands: dict[int, Command] = field(default_factory=dict)
