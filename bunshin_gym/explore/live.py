@@ -1,9 +1,9 @@
 """Live workspaces for the explorer: ``bunshin ws ls`` with memory, the snapshots, and a
 read-only view of a desktop workspace's screen.
 
-Memory per workspace is summed over its cgroup's processes from ``smaps_rollup`` (cheap
-enough to refresh every few seconds): PSS, RSS, private (pages only this process maps) and
-shared (RSS less private: pages it shares, with its snapshot's other clones among others).
+Memory per workspace and per snapshot, shared and private, is counted by
+:mod:`bunshin_gym.explore.memory` (physical pages, each once); one look serves the workspace
+and the snapshot lists asked for together (:data:`SURVEY_TTL_S`).
 
 The screen is read from the workspace's X socket (resolved inside its root without following
 its symlinks, as the desktop env does) with a connection that lives for one capture: an open
@@ -16,20 +16,36 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import time
 from typing import Any
+
+from bunshin_gym.explore import memory
 
 log = logging.getLogger(__name__)
 
 X_SOCKET = "/tmp/.X11-unix/X0"  # as envs/osworld/desktop.py
 _screen_lock = threading.Lock()  # one capture at a time: a frame is up to 33 MB
+#: how long one memory survey answers for: the page asks for workspaces and snapshots together
+SURVEY_TTL_S = 2.0
+_survey_lock = threading.Lock()
+_last_survey: tuple[float, memory.Survey] | None = None
+
+
+def current_survey(max_age: float = SURVEY_TTL_S) -> memory.Survey:
+    """A memory survey at most ``max_age`` seconds old (one at a time: each reads every page
+    table of the workspaces)."""
+    global _last_survey
+    with _survey_lock:
+        if _last_survey is None or time.monotonic() - _last_survey[0] > max_age:
+            _last_survey = (time.monotonic(), memory.survey())
+        return _last_survey[1]
 
 
 def workspaces() -> list[dict]:
     """Every workspace record, with its state and memory (running ones)."""
     from bunshin_gym.workspace import records
-    from bunshin_gym.workspace.cgroups import Cgroup
-    from bunshin_gym.workspace.memstat import rollup
 
+    mem = current_survey().workspaces
     out = []
     for r in records.all_records():
         running = r.running()
@@ -39,26 +55,22 @@ def workspaces() -> list[dict]:
                                "created": r.created, "snapshot": r.snapshot, "memory_mode": r.memory_mode,
                                "memory": None, "desktop": False}
         if running:
-            try:
-                pids = Cgroup(r.cgroup).pids()
-                m = rollup(pids)
-                private = m["Private_Clean"] + m["Private_Dirty"]
-                row["memory"] = {"processes": len(pids), "pss": m["Pss"], "rss": m["Rss"], "private": private,
-                                 "shared": max(0, m["Rss"] - private)}
-                row["desktop"] = _has_screen(r.pid1)
-            except OSError as e:  # going away while we read it
-                log.debug("workspace %s: memory not readable: %s", r.id, e)
+            row["memory"] = mem.get(r.id)  # None: started after the survey, or going away
+            row["desktop"] = _has_screen(r.pid1)
         out.append(row)
     return out
 
 
 def snapshots(limit: int = 500) -> list[dict]:
     """The snapshot store: each snapshot's parent, image, size of its own images (a delta for
-    a clone's snapshot) and the live clones restored from it."""
+    a clone's snapshot), the live clones restored from it, and its memory: ``memory`` is its
+    tmpfs image copy split into pages mapped by live clones and pages it alone holds (None:
+    no copy, no share clone was made of it)."""
     from bunshin_gym.workspace import records
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     running = [r for r in records.all_records() if r.running()]
+    images = current_survey().snapshots
     out = []
     for s in SnapshotStore().list()[:limit]:
         try:
@@ -67,7 +79,7 @@ def snapshots(limit: int = 500) -> list[dict]:
             continue
         out.append({"id": s.id, "parent": s.parent, "image": s.meta.get("image"), "depth": s.depth,
                     "created": s.meta.get("created"), "bytes": size, "memory_mode": s.meta.get("memory_mode"),
-                    "clones": [r.id for r in running if r.snapshot == s.id]})
+                    "clones": [r.id for r in running if r.snapshot == s.id], "memory": images.get(s.id)})
     return out
 
 

@@ -344,18 +344,23 @@ async function loadWorkspaces() {
       body.append(el("tr", { "data-ws": r.id },
         el("td", { text: r.id }), el("td", { text: r.image }), el("td", { text: r.state }), el("td", { text: r.owner }),
         el("td", { class: "num", text: r.pid ?? "–" }), el("td", { class: "num", text: m.processes ?? "–" }),
-        el("td", { class: "num", text: mb(m.pss) }), el("td", { class: "num", text: mb(m.rss) }),
-        el("td", { class: "num", text: mb(m.private) }), el("td", { class: "num", text: mb(m.shared) }),
+        el("td", { class: "num", text: mb(m.pss) }), el("td", { class: "num", text: mb(m.cgroup) }),
+        el("td", { class: "num mem-private", text: mb(m.private) }), el("td", { class: "num mem-shared", text: mb(m.shared) }),
+        el("td", { class: "num mem-written", title: "private copies of snapshot image pages: changed / rewritten with the same bytes",
+          text: m.written ? `${mb(m.written.changed)} / ${mb(m.written.unchanged)}` : "–" }),
         el("td", { text: r.snapshot || "" }),
         el("td", {}, r.desktop ? el("button", { text: "view screen", onclick: () => openScreen(r.id) }) : null)));
     }
-    if (!w.workspaces.length) body.append(el("tr", {}, el("td", { colspan: 12, text: "no workspaces" })));
+    if (!w.workspaces.length) body.append(el("tr", {}, el("td", { colspan: 13, text: "no workspaces" })));
     const sb = $("#snap-table tbody");
     sb.innerHTML = "";
     for (const x of s.snapshots) {
-      sb.append(el("tr", {}, el("td", { text: x.id }), el("td", { text: x.parent || "" }), el("td", { text: x.image || "" }),
+      const m = x.memory || {};
+      sb.append(el("tr", { "data-snap": x.id }, el("td", { text: x.id }), el("td", { text: x.parent || "" }), el("td", { text: x.image || "" }),
         el("td", { class: "num", text: x.depth }), el("td", { class: "num", text: mb(x.bytes) }), el("td", { text: x.memory_mode || "" }),
-        el("td", { text: x.clones.join(" ") })));
+        el("td", { class: "num mem-pages", text: mb(m.pages) }), el("td", { class: "num mem-mapped", text: mb(m.mapped) }),
+        el("td", { class: "num mem-held", text: mb(m.held_only) }),
+        el("td", { text: x.clones.join(" ") }), el("td", { text: (m.mapped_by || []).join(" ") })));
     }
     $("#ws-updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
