@@ -102,6 +102,24 @@ def prepare(name: str) -> NodeLayout:
     return lay
 
 
+def reclaim_host(name: str, timeout: float = 300.0) -> dict:
+    """Reclaim what simulated host ``name`` left (every workspace and snapshot under its
+    paths), for a host whose Ray node is gone so no task can run there. In a new process with
+    the host's environment: the cgroup root is read once at import (``cgroups.CGROOT``), so a
+    reclaim in this process with the variables changed would sweep the machine's cgroup root,
+    killing every workspace its run directory does not name."""
+    import json
+    import os
+    import sys
+
+    env = {**os.environ, **layout(name).env()}
+    code = "import json; from bunshin_gym.cluster.host import reclaim; print(json.dumps(reclaim(owned=True)))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reclaiming host {name} failed: {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def remove(name: str) -> None:
     """Unmount and delete simulated host ``name`` (its workspaces must be gone: ``reclaim`` first)."""
     lay = layout(name)

@@ -55,7 +55,7 @@ class Stepper:
     """An actor that keeps a RemoteEnv across calls."""
 
     def __init__(self, url: str, token: str):
-        import bunshin_gym  # noqa: F401 - a fresh worker: the envs are registered by the import, as anywhere
+        import bunshin_gym  # noqa: F401, F811 - a fresh worker: the envs are registered by the import, as anywhere
 
         self.env = gym.make(ENV, server=url, token=token)
 
