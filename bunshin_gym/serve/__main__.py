@@ -21,6 +21,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--memory-mode", default="share", help="memory mode of sandbox forks (share, ksm, copy)")
     ap.add_argument("--close-on-exit", action="store_true",
                     help="close every sandbox when the server stops (default: keep them for the next start)")
+    ap.add_argument("--domain", default=None,
+                    help="domain of sandbox hosts: get_host(port) is PORT-ID.DOMAIN, which must reach this server "
+                         "(e.g. localhost:49982 for curl and browsers, which resolve *.localhost; default: the SDK's)")
     ap.add_argument("--log-level", default="info")
 
 
@@ -34,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     config = ServeConfig(host=args.host, port=args.port, token_file=args.token_file, state_dir=args.state_dir,
                          idle_timeout=args.idle_timeout, env_ttl=args.env_ttl or None, max_timeout=args.max_timeout,
-                         memory_mode=args.memory_mode)
+                         memory_mode=args.memory_mode, domain=args.domain)
     try:
         run(config, log_level=args.log_level.lower(), close_on_exit=args.close_on_exit)
     except TokenFileError as e:

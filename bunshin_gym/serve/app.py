@@ -64,6 +64,8 @@ class ServeConfig:
     memory_mode: str = "share"
     #: threads for blocking workspace calls (each in-flight request holds one)
     threads: int = 128
+    #: the domain of sandbox hosts (``get_host(port)`` is PORT-ID.DOMAIN); None: the SDK's own
+    domain: str | None = None
 
     @property
     def state_path(self) -> Path:

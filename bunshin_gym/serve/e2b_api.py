@@ -45,11 +45,14 @@ def _utc(epoch: float) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC)
 
 
-def created_model(sb: Sandbox) -> dict:
-    """What create, connect and each fork answer: the id and the envd access token."""
-    return SandboxModel(template_id=sb.template, sandbox_id=sb.id, client_id="bunshin", envd_version=ENVD_VERSION,
-                        alias=sb.template, envd_access_token=sb.envd_token,
-                        traffic_access_token=sb.traffic_token).to_dict()
+def created_model(sb: Sandbox, domain: str | None = None) -> dict:
+    """What create, connect and each fork answer: the id, the envd and traffic access tokens
+    and, when the server has one, the domain of the sandbox's hosts (``get_host``)."""
+    model = SandboxModel(template_id=sb.template, sandbox_id=sb.id, client_id="bunshin", envd_version=ENVD_VERSION,
+                         alias=sb.template, envd_access_token=sb.envd_token, traffic_access_token=sb.traffic_token)
+    if domain:
+        model.domain = domain
+    return model.to_dict()
 
 
 def _common(sb: Sandbox) -> dict[str, Any]:
@@ -128,7 +131,7 @@ def router(service) -> APIRouter:
         body = await json_object(request)
         sb = await asyncio.to_thread(_create, who, body)
         log.info("sandbox %s (%s) created for %s: workspace %s", sb.id, sb.template, who.name, sb.ws.id)
-        return JSONResponse(created_model(sb), status_code=201)
+        return JSONResponse(created_model(sb, service.config.domain), status_code=201)
 
     def _listed(who: Principal, request: Request) -> list[dict]:
         states = {s for s in (request.query_params.get("state") or "").split(",") if s}
@@ -209,7 +212,7 @@ def router(service) -> APIRouter:
             log.info("sandbox %s resumed: workspace %s", sb_id, sb.ws.id)
         elif sb.end_at is not None:
             sb.end_at = max(sb.end_at, time.time() + timeout)  # E2B: only ever extended
-        return JSONResponse(created_model(sb), status_code=201 if was_paused else 200)
+        return JSONResponse(created_model(sb, service.config.domain), status_code=201 if was_paused else 200)
 
     @r.post("/sandboxes/{sb_id}/resume", status_code=201)
     async def resume_route(sb_id: str, request: Request, who: Principal = auth) -> JSONResponse:
@@ -253,7 +256,7 @@ def router(service) -> APIRouter:
                 clone = _new_sandbox(who, sb.template, timeout, dict(sb.metadata), dict(sb.env_vars),
                                      sb.auto_pause, outcome, memory)
                 clone.commands = {pid: type(c)(**vars(c)) for pid, c in sb.commands.items()}
-                results.append({"sandbox": created_model(clone)})
+                results.append({"sandbox": created_model(clone, service.config.domain)})
         finally:
             registry.unreserve(who, count - made, (count - made) * memory)
         return results

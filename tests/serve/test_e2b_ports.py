@@ -96,3 +96,30 @@ def test_signed_upload_and_download_urls(server, sandbox, opts):
     finally:
         other.kill()
     assert sandbox.files.read("/tmp/up.txt") == "uploaded through a signed URL"
+
+
+def test_domain_makes_get_host_a_url_that_curl_reaches(tmp_path):
+    import subprocess
+
+    from .conftest import Server, e2b_opts, free_port
+
+    port = free_port()
+    srv = Server(tmp_path, "--close-on-exit", "--domain", f"localhost:{port}", port=port)
+    try:
+        sb = Sandbox.create("base", **e2b_opts(srv))
+        try:
+            sb.files.write("/tmp/site/index.html", "reached by curl")
+            sb.commands.run("python3 -m http.server 8080 --bind 127.0.0.1 --directory /tmp/site", background=True)
+            host = sb.get_host(8080)
+            assert host == f"8080-{sb.sandbox_id}.localhost:{port}"
+            # curl resolves *.localhost to loopback by itself (as browsers do): no Host header to forge
+            curl = ["curl", "-s", "-H", f"{ports.TRAFFIC_TOKEN_HEADER}: {sb.traffic_access_token}",
+                    f"http://{host}/index.html"]
+            deadline = time.monotonic() + 20
+            while (out := subprocess.run(curl, capture_output=True, timeout=60).stdout) != b"reached by curl":
+                assert time.monotonic() < deadline, out
+                time.sleep(0.2)
+        finally:
+            sb.kill()
+    finally:
+        srv.stop()
