@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from bunshin_gym.explore import live
-from bunshin_gym.explore.marks import marks
+from bunshin_gym.explore.marks import marks, web_marks
 from bunshin_gym.explore.runs import Run, build_tree, discover
 
 log = logging.getLogger(__name__)
@@ -128,14 +128,15 @@ def create_app(run: str | Path | None = None, runs_root: str | Path | None = Non
             s = r.step(gid, member, depth)
         except KeyError as e:
             raise HTTPException(404, str(e.args[0])) from None
-        out = dict(s, marks=marks(s.get("action")), instruction=r.group(gid).instruction)
-        full = (s.get("obs") or {}).get("full")
-        if full:  # the whole text fields, from the observation's media file
-            try:
-                out["text"] = json.loads(_media_path(r, full.split("/", 1)[-1]).read_text())
-            except (OSError, json.JSONDecodeError, HTTPException) as e:
-                log.warning("run %s: observation text %s not readable: %s", r.name, full, e)
-        out.setdefault("text", (s.get("obs") or {}).get("text", {}))
+        g = r.group(gid)
+        out = dict(s, instruction=g.instruction, text=_obs_text(r, s.get("obs")))
+        if "url" in out["text"]:  # the web env's observation: the action names an element of the
+            # page it was chosen on, the observation before it (the member's previous step's)
+            before = g.obs if depth == 0 else next(
+                (p.get("obs") for p in g.steps if p["member"] == member and p["depth"] == depth - 1), None)
+            out["marks"] = web_marks(s.get("action"), _obs_text(r, before).get("accessibility_tree", ""))
+        else:
+            out["marks"] = marks(s.get("action"))
         return out
 
     @app.get("/api/runs/{name}/curves")
@@ -172,6 +173,18 @@ def create_app(run: str | Path | None = None, runs_root: str | Path | None = Non
         return Response(data, media_type="image/jpeg", headers={"Cache-Control": "no-store"})
 
     return app
+
+
+def _obs_text(run: Run, obs: dict | None) -> dict:
+    """An observation's text fields: whole, from its media file, or the tails kept inline."""
+    obs = obs or {}
+    full = obs.get("full")
+    if full:
+        try:
+            return json.loads(_media_path(run, full.split("/", 1)[-1]).read_text())
+        except (OSError, json.JSONDecodeError, HTTPException) as e:
+            log.warning("run %s: observation text %s not readable: %s", run.name, full, e)
+    return obs.get("text", {})
 
 
 def _media_path(run: Run, file: str) -> Path:

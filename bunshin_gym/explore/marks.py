@@ -2,8 +2,11 @@
 typed text and keys, read from the action's text without running it.
 
 Desktop actions come as pyautogui code (read with :mod:`ast`: only calls on ``pyautogui``
-with literal arguments count) or as computer_13 dicts (JSON); anything else (a shell command,
-a WebArena action, which names an element, not a point) has no marks.
+with literal arguments count) or as computer_13 dicts (JSON); anything else (a shell command)
+has no marks. A WebArena (or BrowserGym) action names an element, not a point:
+:func:`web_marks` reads it with the web env's own parser and names the element by its line
+in the accessibility tree the action was chosen from; the web env records no element boxes,
+so no box is drawn.
 
 Example:
     >>> marks("pyautogui.click(120, 40); pyautogui.write('hi')")
@@ -15,6 +18,10 @@ from __future__ import annotations
 import ast
 import json
 from typing import Any
+
+from bunshin_gym.envs.webarena.actions import parse_action
+from bunshin_gym.envs.webarena.observation import axtree_object
+from bunshin_gym.errors import ActionSyntaxError
 
 _POINT_CALLS = {"click": "click", "doubleClick": "double click", "tripleClick": "triple click",
                 "rightClick": "right click", "middleClick": "middle click", "moveTo": "move",
@@ -123,3 +130,49 @@ def _computer13(action: dict) -> list[dict]:
     if kind == "HOTKEY":
         return [{"kind": "key", "keys": [str(k) for k in p.get("keys") or []], "label": "hotkey"}]
     return []
+
+
+def web_marks(action: Any, tree: str = "") -> list[dict]:
+    """The marks of one WebArena or BrowserGym action (``click [12]``, ``fill('12', 'hi')``):
+    the element it acts on (``element``: its id or ``role 'name'`` reference; ``line``: its
+    line in ``tree``, the accessibility tree the action was chosen from, when found there),
+    typed text, keys, a scroll, a page change (``goto``, back, tabs) or the answer; [] when
+    the text is not such an action."""
+    if not isinstance(action, str):
+        return []
+    try:
+        act = parse_action(action)
+    except ActionSyntaxError:
+        return []
+    out: list[dict] = []
+    if act.element is not None:
+        label = "choose" if act.option is not None else act.kind
+        out.append({"kind": "element", "label": label, "element": act.element,
+                    "line": _tree_line(tree, act.element)})
+    if act.kind == "type":
+        out.append({"kind": "type", "text": act.text or "", "label": "type", "enter": act.enter})
+    elif act.option is not None:
+        out.append({"kind": "type", "text": act.option, "label": "choose"})
+    elif act.kind == "press":
+        out.append({"kind": "key", "keys": (act.key or "").split("+"), "label": "press"})
+    elif act.kind == "scroll":
+        out.append({"kind": "scroll", "direction": act.direction, "label": f"scroll {act.direction}"})
+    elif act.kind == "goto":
+        out.append({"kind": "page", "label": f"goto {act.url}", "url": act.url})
+    elif act.kind in ("go_back", "go_forward", "new_tab", "close_tab", "tab_focus"):
+        out.append({"kind": "page", "label": act.kind.replace("_", " ")
+                    + ("" if act.index is None else f" {act.index}")})
+    elif act.kind == "stop":
+        out.append({"kind": "page", "label": f"stop: {act.answer}"})
+    return out
+
+
+def _tree_line(tree: str, element: str) -> str | None:
+    """``role 'name'`` of the tree line with id ``element`` (None: not in the tree, or the
+    element is already named by reference)."""
+    if not tree or not element.isdigit():
+        return None
+    for node in axtree_object(tree)["nodes"]:
+        if str(node.get("browsergym_id")) == element:
+            return f"{node['role']['value']} {node['name']['value']!r}"
+    return None

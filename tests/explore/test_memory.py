@@ -70,7 +70,7 @@ def clones():
         src.close()
 
 
-def test_share_clone_that_writes_shows_it_as_private(clones, explorer, page, tmp_path):
+def test_share_clone_that_writes_shows_it_as_private(clones, explorer, page, shots, tmp_path):
     snap, (a, b, c) = clones
     _write_heap(a)
     s = memory.survey()
@@ -110,6 +110,7 @@ def test_share_clone_that_writes_shows_it_as_private(clones, explorer, page, tmp
     snap_row = page.locator(f"#snap-table tr[data-snap='{snap.id}']")
     assert float(snap_row.locator("td.mem-pages").inner_text().split()[0]) >= HEAP_MB
     assert float(snap_row.locator("td.mem-mapped").inner_text().split()[0]) >= HEAP_MB
+    page.screenshot(path=shots / "workspaces-memory.png", full_page=True)
 
     # b writes the same pages: no clone maps them any more, the snapshot alone holds them
     _write_heap(b)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from bunshin_gym.explore.marks import marks
+from bunshin_gym.explore.marks import marks, web_marks
 from bunshin_gym.explore.runs import Run, build_tree, discover
 from bunshin_gym.rollout.steplog import INLINE_CHARS, StepLog, served_from
 
@@ -140,6 +140,26 @@ def test_marks_of_desktop_actions():
     assert marks({"action_type": "TYPING", "text": "abc"}) == [{"kind": "type", "text": "abc", "label": "type"}]
     for none in ("ls -la /data", "click [12]", "pyautogui.click(", "", None, "{not json"):
         assert marks(none) == []
+
+
+def test_marks_of_web_actions():
+    tree = "[1] RootWebArea 'One Stop Market' focused: True\n\t[2] link 'My Account'\n\t[3] searchbox 'Search'"
+    assert web_marks("click [2]", tree) == [{"kind": "element", "label": "click", "element": "2",
+                                            "line": "link 'My Account'"}]
+    assert web_marks("type [3] [wireless headphones] [1]", tree) == [
+        {"kind": "element", "label": "type", "element": "3", "line": "searchbox 'Search'"},
+        {"kind": "type", "text": "wireless headphones", "label": "type", "enter": True}]
+    assert web_marks("fill('3', 'hi')", tree)[1] == {"kind": "type", "text": "hi", "label": "type", "enter": False}
+    assert web_marks("click [9]", tree)[0]["line"] is None  # not on the page it was chosen from
+    assert web_marks("click [link 'My Account']")[0]["element"] == "link 'My Account'"
+    assert web_marks("scroll [down]") == [{"kind": "scroll", "direction": "down", "label": "scroll down"}]
+    assert web_marks("press [ctrl+a]") == [{"kind": "key", "keys": ["ctrl", "a"], "label": "press"}]
+    assert web_marks("goto [http://127.0.0.1:7770/]") == [
+        {"kind": "page", "label": "goto http://127.0.0.1:7770/", "url": "http://127.0.0.1:7770/"}]
+    assert web_marks("go_back") == [{"kind": "page", "label": "go back"}]
+    assert web_marks("stop [40.99]") == [{"kind": "page", "label": "stop: 40.99"}]
+    for none in ("ls -la /data", "pyautogui.click(1, 2)", "", None, "click [", {"action_type": "CLICK"}):
+        assert web_marks(none) == []
 
 
 def test_step_log_observations_stay_small(tmp_path):

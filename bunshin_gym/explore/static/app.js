@@ -222,11 +222,18 @@ function obsView(obs, text, marks) {
       }
     }
     let ty = Math.max(20, h / 30);
+    // what has no point to draw at (typed text, keys; a web action's element, scroll, page change):
+    // written as lines, below the last point or from the top left
+    const LINES = { type: ["mark-text", "#1d4ed8"], key: ["mark-text", "#1d4ed8"], element: ["mark-element", "#b91c1c"],
+      scroll: ["mark-scroll", "#7c3aed"], page: ["mark-page", "#047857"] };
     for (const m of marks || []) {
-      if (m.kind !== "type" && m.kind !== "key") continue;
-      const label = m.kind === "type" ? `type "${m.text}"` : `${m.label} ${m.keys.join("+")}`;
+      if (!LINES[m.kind] || (m.kind === "scroll" && m.x !== undefined)) continue;
+      const label = m.kind === "type" ? `type "${m.text}"` + (m.enter ? " ⏎" : "") : m.kind === "key" ? `${m.label} ${m.keys.join("+")}`
+        : m.kind === "element" ? `${m.label} [${m.element}]` + (m.line ? ` ${m.line}` : "")
+        : m.kind === "scroll" && m.direction ? `${m.label} ${m.direction === "up" ? "↑" : "↓"}` : m.label;
       const x = last ? last.x + w / 60 : w / 60, y = last ? last.y + ty + w / 60 : ty;
-      const t = svg("text", { x, y, fill: "#1d4ed8", stroke: "#fff", "stroke-width": 3, "paint-order": "stroke", "font-size": Math.max(14, w / 70), "font-weight": "bold", class: "mark-text" });
+      const [cls, color] = LINES[m.kind];
+      const t = svg("text", { x, y, fill: color, stroke: "#fff", "stroke-width": 3, "paint-order": "stroke", "font-size": Math.max(14, w / 70), "font-weight": "bold", class: cls });
       t.textContent = label.slice(0, 120);
       over.append(t);
       ty += Math.max(18, w / 60);
