@@ -83,10 +83,17 @@ def test_pty_kill_and_bounded_output(sandbox):
     # three times what the workspace keeps, then a marker: the client reads it all as it comes
     sandbox.pty.send_stdin(h.pid, f"head -c {3 * kept} /dev/zero | tr '\\0' x; echo; echo END-$((1+1))\n".encode())
     screen.wait_for(b"END-2", timeout=60)
-    assert screen.data.count(b"x") >= 3 * kept - 4096, "the output was read as it came, none dropped"
+    # all of it when the client kept up; on a loaded host it may fall behind, and then it
+    # skips to the oldest segment kept: never less than the last segment or so
+    got = screen.data.count(b"x")
+    assert kept - 2 * terminal.SEGMENT <= got <= 3 * kept + 16, got  # (+ the x of the typed line)
     segments = sandbox.commands.run("cat /tmp/.bunshin-e2b/*/pty.* | wc -c; ls /tmp/.bunshin-e2b/*/ | grep -c pty",
                                     user="root").stdout.split()
     assert int(segments[0]) <= kept and int(segments[1]) <= terminal.SEGMENTS_KEPT, segments
+    # a client that connects now gets what the workspace kept, from the oldest kept segment on
+    again = Screen(sandbox.pty.connect(h.pid))
+    again.wait_for(b"END-2", timeout=60)
+    assert kept - terminal.SEGMENT <= len(again.data) <= kept, len(again.data)
 
     assert sandbox.pty.kill(h.pid) is True
     error = screen.ended()
@@ -94,6 +101,28 @@ def test_pty_kill_and_bounded_output(sandbox):
     time.sleep(0.5)
     assert "bash -i -l" not in sandbox.commands.run("ps -eo args", user="root").stdout, "the shell was killed too"
     assert sandbox.pty.kill(h.pid) is False
+
+
+def test_pty_is_carried_by_fork_and_pause(sandbox):
+    h = sandbox.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    screen = Screen(h)
+    sandbox.pty.send_stdin(h.pid, b"X=kept; cd /tmp; echo ready-$((1+1))\n")
+    screen.wait_for(b"ready-2")
+    forks = sandbox.fork(count=2)
+    try:
+        for i, f in enumerate(forks):
+            copy = Screen(f.pty.connect(h.pid))
+            f.pty.send_stdin(h.pid, f"echo $X-$PWD-fork-$(({i}+10))\n".encode())
+            copy.wait_for(f"kept-/tmp-fork-{i + 10}".encode())  # the same shell, its variables and cwd
+    finally:
+        for f in forks:
+            f.kill()
+    sandbox.pause()
+    sandbox.connect()
+    resumed = Screen(sandbox.pty.connect(h.pid))
+    sandbox.pty.send_stdin(h.pid, b"echo $X-resumed-$((2+2))\n")
+    resumed.wait_for(b"kept-resumed-4")
+    assert sandbox.pty.kill(h.pid) is True
 
 
 def test_pty_bad_requests_are_clear_errors(sandbox):
