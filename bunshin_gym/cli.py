@@ -331,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
     ex.set_defaults(fn=_cmd_explore)
 
     tr = sub.add_parser("train", help="GRPO training with TRL over bunshin envs (tiny offline policy by default)")
-    from bunshin_gym.train.main import add_arguments
+    from bunshin_gym.train.args import add_arguments
 
     add_arguments(tr)
     tr.set_defaults(fn=_cmd_train)
