@@ -25,7 +25,9 @@ def cache_hits(page) -> int:
 def open_group(page, index: int) -> None:
     gid = page.locator("#group-list li").nth(index).get_attribute("data-group")
     page.locator("#group-list li").nth(index).click()
+    # the tree drawn is the group's (not the previous one, still shown while the new one loads)
     page.wait_for_function(f"document.querySelector('#group-list li.selected')?.dataset.group === '{gid}' && "
+                           f"document.querySelector('#tree').dataset.group === '{gid}' && "
                            "document.querySelector('#tree .node')")
     page.wait_for_function(
         "document.querySelectorAll('#tree .node:not(.root)').length == "

@@ -99,6 +99,7 @@ async function openGroup(gid) {
   state.group = gid;
   for (const li of document.querySelectorAll("#group-list li")) li.classList.toggle("selected", li.dataset.group === gid);
   const t = await api(`/api/runs/${encodeURIComponent(state.run)}/groups/${gid}/tree`);
+  if (state.group !== gid) return;  // another group was opened meanwhile: its tree is drawn
   state.tree = t;
   const g = t.group;
   const head = $("#tree-head");
@@ -109,6 +110,7 @@ async function openGroup(gid) {
     el("span", { text: `${t.served.speculation || 0} from speculation, ${t.served.executed || 0} executed; ${t.divergences.length} divergence points; rewards ` }),
     ...t.root.rewards.map((r, i) => el("span", { class: "chip", style: `background:${rewardColor(r)}`, title: `member ${i}`, text: `m${i} ${fmt(r, 1)}` })));
   drawTree(t);
+  $("#tree").dataset.group = gid;  // which group the drawn tree is (the list's selection comes first)
   $("#step").innerHTML = "";
 }
 
