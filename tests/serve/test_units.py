@@ -58,3 +58,37 @@ def test_task_ids_and_dicts_pass(spec):
 def test_task_paths_are_refused(spec):
     with pytest.raises(ServeError, match="shipped task id"):
         check_task(spec)
+
+
+def test_file_url_signature_is_the_sdk_s():
+    from e2b.sandbox.signature import get_signature
+
+    from bunshin_gym.serve.envd import signature_of
+
+    for path, op, user, exp in [("/tmp/a b.txt", "read", None, None), ("rel/x", "write", "root", 60)]:
+        sdk = get_signature(path, op, user, "tok-123", exp)
+        assert signature_of(path, op, user or "", "tok-123", sdk["expiration"]) == sdk["signature"]
+        assert signature_of(path, op, user or "", "tok-124", sdk["expiration"]) != sdk["signature"]
+
+
+def test_watch_diff_names_each_change():
+    from e2b.envd.filesystem.filesystem_pb import EventType as E
+
+    from bunshin_gym.serve.watch import diff, parse_listing
+
+    old = parse_listing(b"10 f 0 1.0 644 a\x0011 f 3 1.0 644 b\x0012 d 40 1.0 755 d\x0013 f 1 1.0 644 c\x00", "/w")
+    new = parse_listing(b"11 f 5 2.0 644 b\x0012 f 1 2.0 644 d\x0013 f 1 1.0 600 c\x0010 f 0 1.0 644 sub dir/a2\x00"
+                        b"14 f 2 2.0 644 new\x00", "/w")
+    assert new["sub dir/a2"][0] == 10, "names with spaces parse"
+    assert diff(old, new) == [("a", E.RENAME), ("sub dir/a2", E.CREATE), ("new", E.CREATE), ("new", E.WRITE),
+                              ("b", E.WRITE), ("c", E.CHMOD), ("d", E.REMOVE), ("d", E.CREATE)]
+    assert diff(new, new) == []
+
+
+def test_port_hosts():
+    from bunshin_gym.serve.ports import target_of
+
+    assert target_of("8080-iabc123.localhost:49982") == (8080, "iabc123")
+    assert target_of("3000-iabc.e2b.app") == (3000, "iabc")
+    for host in ("127.0.0.1:49982", "localhost", "49983-iabc.e2b.app", "8080-i/x.y", "", None, "99999999-iabc.x"):
+        assert target_of(host) is None, host
