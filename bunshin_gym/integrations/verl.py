@@ -35,9 +35,11 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import gymnasium as gym
+from omegaconf import OmegaConf
 from transformers.utils import get_json_schema
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput, register
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
@@ -241,3 +243,17 @@ class WebAgentLoop(BunshinAgentLoop):
     """Bunshin-WebArena-v0: click, type_text, goto, go_back, scroll, stop."""
 
     family = WebEnvironment
+
+
+AGENT_LOOPS: dict[str, type[BunshinAgentLoop]] = {
+    "bunshin_shell": ShellAgentLoop, "bunshin_osworld": DesktopAgentLoop, "bunshin_webarena": WebAgentLoop}
+
+
+def write_agent_loop_config(path: str | Path) -> Path:
+    """Write the file verl reads from ``actor_rollout_ref.rollout.agent.agent_loop_config_path``:
+    verl's workers (Ray actors that never import this module) then register the loops by name
+    and import them through ``_target_``."""
+    path = Path(path)
+    entries = [{"name": name, "_target_": f"{cls.__module__}.{cls.__qualname__}"} for name, cls in AGENT_LOOPS.items()]
+    OmegaConf.save(OmegaConf.create(entries), path)
+    return path

@@ -151,6 +151,36 @@ def test_worker_runs_groups_on_one_workspace_per_trajectory(tiny_path):
     assert 0 < resp_mask.sum().item() < mask.sum().item()
 
 
+def test_loops_named_in_verls_config_file_are_built_by_verl(tiny_path, tmp_path):
+    """The way a Ray worker finds them: verl's agent_loop_config_path, hydra's _target_ import."""
+    import hydra
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+
+    from bunshin_gym.integrations.trl import DesktopEnvironment, ShellEnvironment, WebEnvironment, tool_methods
+
+    cfg = verl_config(tiny_path)
+    cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = str(
+        bverl.write_agent_loop_config(tmp_path / "loops.yaml"))
+    saved = dict(_agent_loop_registry)
+    _agent_loop_registry.clear()  # only the file may register them
+    try:
+        worker = AgentLoopWorker(cfg, llm_client=None)
+        assert set(_agent_loop_registry) == {"bunshin_shell", "bunshin_osworld", "bunshin_webarena"}
+        for name, family in [("bunshin_shell", ShellEnvironment), ("bunshin_osworld", DesktopEnvironment),
+                             ("bunshin_webarena", WebEnvironment)]:
+            # the same call verl's worker makes for every trajectory
+            loop = hydra.utils.instantiate(
+                config=_agent_loop_registry[name], trainer_config=DictConfigWrap(config=cfg), server_manager=None,
+                tokenizer=worker.tokenizer, processor=None, hf_model_type=None, dataset_cls=worker.dataset_cls,
+                data_config=DictConfigWrap(cfg.data), tools=ToolListWrap(worker.tools))
+            assert isinstance(loop, bverl.BunshinAgentLoop) and loop.family is family
+            assert set(loop.tools) == {m.__name__ for m in tool_methods(family())}
+            assert [s["function"]["name"] for s in loop.tool_schemas] == list(loop.tools)
+    finally:
+        _agent_loop_registry.clear()
+        _agent_loop_registry.update(saved)
+
+
 def test_a_row_without_task_fails_clearly_and_leaks_nothing(tiny_path):
     worker = AgentLoopWorker(verl_config(tiny_path), llm_client=None)
     worker.llm_client = ScriptedServer(worker.tokenizer)
