@@ -37,6 +37,12 @@ ENVD_VERSION = "0.5.7"
 #: the user commands and file operations run as when the client names none (E2B's default)
 DEFAULT_USER = "user"
 
+#: a command's output is read whole (one agent request) until a client has read this much of
+#: it; past it, a range at a time (the agent reads whole files only); a poll returns at most
+#: OUTPUT_CHUNK bytes of each stream
+INLINE_OUTPUT = 1 << 20
+OUTPUT_CHUNK = 1 << 20
+
 #: where commands keep their output (one hidden directory in the sandbox's /tmp, mode 1777)
 RUN_DIR = "/tmp/.bunshin-e2b"
 #: runs one command: ``sh -c WRAPPER run DIR STDIN CMD ARGS...``. The command runs in its own
@@ -253,15 +259,19 @@ class Sandbox(Lease):
         raise NotFound(f"no process {pid if pid is not None else tag!r} in sandbox {self.id}")
 
     def poll(self, command: Command, out_from: int, err_from: int) -> tuple[int | None, bytes, bytes]:
-        """(exit code or None while it runs, stdout and stderr from the given offsets)."""
+        """(exit code or None while it runs, stdout and stderr from the given offsets, at most
+        :data:`OUTPUT_CHUNK` bytes of each). The exit code comes only with the last output."""
         with self.lock:
             ws = self.workspace()
             code = _read_optional(ws, f"{command.dir}/exit")
-            out = _read_optional(ws, f"{command.dir}/out") or b""
-            err = _read_optional(ws, f"{command.dir}/err") or b""
+            out, more_out = _read_output(ws, f"{command.dir}/out", out_from, command.user)
+            err, more_err = _read_output(ws, f"{command.dir}/err", err_from, command.user)
+        # the code read before the output: the output read after it is complete (another
+        # request may have learnt the code since, before this output was read)
+        exit_code = -1 if code is None and command.exit_code == -1 else None  # -1: its directory went
         if code is not None:
-            command.exit_code = int(code.strip() or b"-1")
-        return command.exit_code, out[out_from:], err[err_from:]
+            exit_code = command.exit_code = int(code.strip() or b"-1")
+        return None if more_out or more_err else exit_code, out, err
 
     def poll_pty(self, command: Command, offset: int) -> tuple[int | None, bytes, int]:
         """(exit code or None, terminal output from ``offset``, the offset after it). The exit
@@ -297,7 +307,7 @@ class Sandbox(Lease):
             command.exit_code = exit_code
         return exit_code if at_end else None, b"".join(chunks), seg * seg_size + pos
 
-    def _pty_ended(self, command: Command) -> bool:
+    def _ended(self, command: Command) -> bool:
         with self.lock:
             code = _read_optional(self.workspace(), f"{command.dir}/exit")
         if code is not None:
@@ -324,7 +334,7 @@ class Sandbox(Lease):
             raise ServeError(f"process {command.pid} has no terminal (start it with pty.create)", 400)
         if len(data) > terminal.MAX_INPUT:
             raise ServeError(f"{len(data)} bytes of input, over the limit of {terminal.MAX_INPUT}", 400)
-        if self._pty_ended(command):
+        if self._ended(command):
             raise NotFound(f"process {command.pid} has already ended")
         # opened read-write: the open never blocks, even if the helper is gone; run as the
         # session's user, whose FIFO it is (root would follow whatever the user put there)
@@ -338,11 +348,7 @@ class Sandbox(Lease):
     def running(self) -> list[Command]:
         out = []
         for c in list(self.commands.values()):
-            if c.exit_code is None and c.pty:
-                self._pty_ended(c)
-            elif c.exit_code is None:
-                self.poll(c, 0, 0)
-            if c.exit_code is None:
+            if c.exit_code is None and not self._ended(c):
                 with self.lock:
                     gone = _read_optional(self.workspace(), f"{c.dir}/pid") is None
                 if gone:  # its directory was removed (from inside): it is not ours to list
@@ -407,6 +413,23 @@ class Sandbox(Lease):
                 self.workspace().write_file(path, data, owner=None if user == "root" else user)
             except AgentError as e:
                 raise FsError(f"write {path!r}: {e}", e.errno) from None
+
+
+def _read_output(ws: Workspace, path: str, offset: int, user: str) -> tuple[bytes, bool]:
+    """At most :data:`OUTPUT_CHUNK` bytes of a command's output file from ``offset``, and
+    whether more follows. Small outputs are read whole in one agent request; past
+    :data:`INLINE_OUTPUT` (or past the agent's cap on a read) only the range is read."""
+    if offset < INLINE_OUTPUT:
+        try:
+            data = _read_optional(ws, path) or b""
+        except AgentError as e:
+            if e.errno != errno.EFBIG:
+                raise
+        else:
+            return data[offset:offset + OUTPUT_CHUNK], len(data) > offset + OUTPUT_CHUNK
+    res = ws.exec(["/bin/sh", "-c", 'tail -c +"$2" "$1" 2>/dev/null | head -c "$3"', "sh", path, str(offset + 1),
+                   str(OUTPUT_CHUNK + 1)], user=user, timeout=60, max_output=OUTPUT_CHUNK + 1)
+    return res.stdout[:OUTPUT_CHUNK], len(res.stdout) > OUTPUT_CHUNK
 
 
 def _read_optional(ws: Workspace, path: str) -> bytes | None:

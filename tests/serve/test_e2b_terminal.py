@@ -164,3 +164,14 @@ def test_async_pty_on_data(server, opts):
 
     seen = asyncio.run(main())
     assert b"30 90" in seen
+
+
+def test_command_output_past_the_agent_read_cap_streams_in_bounded_chunks(sandbox):
+    from bunshin_gym.serve import sandbox as serve_sandbox
+
+    size = 80 << 20  # over the agent's 64 MiB cap on one read: read a range at a time
+    chunks: list[int] = []
+    r = sandbox.commands.run(f"head -c {size} /dev/zero | tr '\\0' y; echo; echo done >&2", timeout=0,
+                             on_stdout=lambda s: chunks.append(len(s)))
+    assert len(r.stdout) == size + 1 and r.stdout.count("y") == size and r.stderr == "done\n"
+    assert max(chunks) <= serve_sandbox.OUTPUT_CHUNK, "no event is over the chunk size"
