@@ -7,6 +7,8 @@ from bunshin_gym.cluster.host import HostActor, IndexEntry, WorkspaceHandle
 from bunshin_gym.cluster.index import Match, SnapshotIndex
 from bunshin_gym.cluster.placement import Decision, Placer
 from bunshin_gym.cluster.replay import ReplayPolicy
+from bunshin_gym.cluster.vector import ClusterGroupVectorEnv, HostLost
 
-__all__ = ["BunshinCluster", "Decision", "GroupResult", "GroupSpec", "HostActor", "IndexEntry", "Match", "Migration",
-           "Placer", "ReplayPolicy", "SnapshotIndex", "WorkspaceHandle", "start_local_ray"]
+__all__ = ["BunshinCluster", "ClusterGroupVectorEnv", "Decision", "GroupResult", "GroupSpec", "HostActor", "HostLost",
+           "IndexEntry", "Match", "Migration", "Placer", "ReplayPolicy", "SnapshotIndex", "WorkspaceHandle",
+           "start_local_ray"]
