@@ -25,8 +25,8 @@ import logging
 import re
 
 import h11
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from bunshin_gym.serve.registry import Registry, ServeError
 from bunshin_gym.serve.sandbox import DEFAULT_USER, Sandbox
