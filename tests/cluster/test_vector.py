@@ -131,9 +131,13 @@ def test_a_cluster_group_is_placed_where_its_task_is_cached_and_survives_its_hos
 
 
 def test_bad_arguments_are_refused_before_anything_is_made(ray_local):
+    nodes.remove(HOSTS[1])  # (made by the tests before)
     with BunshinCluster(HOSTS[:1], fresh=True) as c:
         with pytest.raises(ValueError, match="num_envs >= 1"):
             ClusterGroupVectorEnv(c, ENV, 0)
         with pytest.raises(ValueError, match="cache= is a local object"):
             make_vec(cluster=c, cache=object())
         assert c.loads() == {HOSTS[0]: 0}  # no group was opened
+    with pytest.raises(ValueError, match="pinned to no alive Ray node: cv1: f{56}"):
+        BunshinCluster({HOSTS[1]: "f" * 56})
+    assert not nodes.layout(HOSTS[1]).base.exists()  # refused before the host was prepared
