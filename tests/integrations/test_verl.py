@@ -6,6 +6,7 @@ and reward placement. Only the LLM server is a stand-in (scripted tool calls, no
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import numpy as np
@@ -103,19 +104,20 @@ def test_worker_runs_groups_on_one_workspace_per_trajectory(tiny_path):
     worker.llm_client = server
     out = asyncio.run(worker.generate_sequences(batch_of([NONCE_TASK, NONCE_TASK], n=2)))
     assert bverl.BunshinAgentLoop._groups == {}  # every group's set-up closed with its last member
+    # every request of a trajectory reached the server with the same id; 4 trajectories
+    assert len({request_id for request_id, _ in server.calls}) == 4
+    check_two_groups_of_two(out, worker.tokenizer)
 
+
+def check_two_groups_of_two(out: DataProto, tokenizer) -> None:
+    """What verl's batch holds after two NONCE_TASK prompts ran as groups of two."""
     info = list(out.non_tensor_batch["bunshin"])
     ids = {i["workspace"] for i in info}
     assert len(ids) == 4 and leftovers(ids) == {}  # four member workspaces, all gone now
     assert [i["task_id"] for i in info] == ["shell/nonce"] * 4
 
-    # every request of a trajectory reached the server with the same id; 4 trajectories
-    by_request: dict[str, list[str]] = {}
-    for request_id, prompt in server.calls:
-        by_request.setdefault(request_id, []).append(prompt)
-    assert len(by_request) == 4
     mask = out.batch["attention_mask"][:, 2048:]  # the response half: 1 on real tokens
-    responses = [worker.tokenizer.decode(r[m.bool()]) for r, m in zip(out.batch["responses"], mask, strict=True)]
+    responses = [tokenizer.decode(r[m.bool()]) for r, m in zip(out.batch["responses"], mask, strict=True)]
     # rows 0,0,1,1 (interleaved repeat); within a row, which trajectory the server made the solver
     # depends on scheduling, so find it by what it wrote
     nonces = []
@@ -149,6 +151,34 @@ def test_worker_runs_groups_on_one_workspace_per_trajectory(tiny_path):
     # tool output is masked out of the loss, the model's own tokens are in it
     resp_mask = out.batch["response_mask"]
     assert 0 < resp_mask.sum().item() < mask.sum().item()
+
+
+@pytest.mark.slow
+def test_verls_agent_loop_manager_runs_the_loop_in_a_ray_actor(tiny_path, tmp_path, monkeypatch):
+    """verl's AgentLoopManager: the batch goes to an AgentLoopWorker Ray actor (another process,
+    which knows the loop only from the config file), the stand-in server pickled to it."""
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    from bunshin_gym.cluster import start_local_ray
+
+    cfg = verl_config(tiny_path, agent="bunshin_shell")
+    cfg.actor_rollout_ref.rollout.agent.num_workers = 1
+    cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path = str(
+        bverl.write_agent_loop_config(tmp_path / "loops.yaml"))
+    # Ray's workers inherit the driver's environment: there they unpickle the stand-in server by
+    # importing this test module (its package and the suite's conftest live under tests/)
+    tests = str(Path(__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    start_local_ray(num_cpus=2, object_store_mb=100)
+    try:
+        tokenizer = AgentLoopWorker(cfg, llm_client=None).tokenizer
+        manager = AgentLoopManager.create(config=cfg, llm_client=ScriptedServer(tokenizer))
+        out = manager.generate_sequences(batch_of([NONCE_TASK, NONCE_TASK], n=2))
+        check_two_groups_of_two(out, tokenizer)
+        assert out.meta_info["timing"]["agent_loop/tool_calls/max"] > 0
+    finally:
+        ray.shutdown()
 
 
 def test_loops_named_in_verls_config_file_are_built_by_verl(tiny_path, tmp_path):
