@@ -10,7 +10,9 @@ root are served, never an arbitrary path):
   ``/api/runs/RUN/groups/GID/tree``; ``/api/runs/RUN/groups/GID/steps/MEMBER/DEPTH`` (one
   step: its full observation text and the action's marks); ``/api/runs/RUN/curves``;
   ``/api/runs/RUN/media/NAME`` (thumbnails, screenshots, observation texts);
-- ``/api/workspaces``, ``/api/snapshots``, ``/api/workspaces/ID/screen.jpg`` (live, read-only).
+- ``/api/workspaces``, ``/api/snapshots`` (with memory, shared and private, in bytes:
+  :mod:`bunshin_gym.explore.memory`; ``memory_survey`` says when it was counted),
+  ``/api/workspaces/ID/screen.jpg`` (live, read-only).
 
 Example:
     >>> app = create_app(runs_root="/var/lib/bunshin/train")
@@ -152,7 +154,8 @@ def create_app(run: str | Path | None = None, runs_root: str | Path | None = Non
     async def workspaces() -> dict:
         if not live_workspaces:
             return {"workspaces": [], "disabled": True}
-        return {"workspaces": await run_in_threadpool(live.workspaces)}
+        rows = await run_in_threadpool(live.workspaces)
+        return {"workspaces": rows, "memory_survey": live.survey_time()}
 
     @app.get("/api/snapshots")
     async def snapshots() -> dict:

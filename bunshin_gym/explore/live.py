@@ -25,29 +25,55 @@ log = logging.getLogger(__name__)
 
 X_SOCKET = "/tmp/.X11-unix/X0"  # as envs/osworld/desktop.py
 _screen_lock = threading.Lock()  # one capture at a time: a frame is up to 33 MB
-#: how long one memory survey answers for: the page asks for workspaces and snapshots together
+#: how long one memory survey answers for at least: the page asks for workspaces and snapshots
+#: together, every 5 s
 SURVEY_TTL_S = 2.0
-_survey_lock = threading.Lock()
-_last_survey: tuple[float, memory.Survey] | None = None
+#: ... and at least this many times what it took: a host of desktops takes seconds to survey,
+#: and the page must not keep a core busy with it
+SURVEY_COST_FACTOR = 4.0
+_survey_lock = threading.Lock()  # one survey at a time
+_last_survey: memory.Survey | None = None
 
 
-def current_survey(max_age: float = SURVEY_TTL_S) -> memory.Survey:
-    """A memory survey at most ``max_age`` seconds old (one at a time: each reads every page
-    table of the workspaces)."""
+def current_survey(running: set[str] | frozenset[str] = frozenset()) -> memory.Survey:
+    """A recent memory survey, meant to have looked at the ``running`` workspaces.
+
+    The last one answers while it is fresh: for :data:`SURVEY_COST_FACTOR` times what it took
+    (at least :data:`SURVEY_TTL_S`), or, when a running workspace is missing from it, for only
+    as long as it took (a host where tests come and go would otherwise be surveyed without
+    a pause). A stale one still answers while a newer one is being taken, unless a workspace is
+    missing from it: then the request waits for the new one. ``taken`` says how old it is."""
     global _last_survey
-    with _survey_lock:
-        if _last_survey is None or time.monotonic() - _last_survey[0] > max_age:
-            _last_survey = (time.monotonic(), memory.survey())
-        return _last_survey[1]
+    last = _last_survey
+    complete = last is not None and running <= last.seen
+    if last is not None:
+        fresh_for = max(SURVEY_TTL_S, (SURVEY_COST_FACTOR if complete else 1.0) * last.seconds)
+        if time.time() - last.taken < fresh_for:
+            return last
+    if not _survey_lock.acquire(blocking=not complete):
+        return last  # another request is taking the next one
+    try:
+        if _last_survey is last or not running <= _last_survey.seen:  # none newer answers
+            _last_survey = memory.survey()
+        return _last_survey
+    finally:
+        _survey_lock.release()
+
+
+def survey_time() -> dict:
+    """When the memory numbers now served were taken (``time.time()``), and in how many seconds."""
+    last = _last_survey
+    return {"taken": last.taken, "seconds": last.seconds} if last is not None else {"taken": None, "seconds": None}
 
 
 def workspaces() -> list[dict]:
     """Every workspace record, with its state and memory (running ones)."""
     from bunshin_gym.workspace import records
 
-    mem = current_survey().workspaces
+    recs = records.all_records()
+    mem = current_survey({r.id for r in recs if r.running()}).workspaces
     out = []
-    for r in records.all_records():
+    for r in recs:
         running = r.running()
         row: dict[str, Any] = {"id": r.id, "image": r.image, "pid": r.pid1, "state": "running" if running else "dead",
                                "owner": "detached" if r.owner is None else f"pid {r.owner}"
@@ -70,7 +96,7 @@ def snapshots(limit: int = 500) -> list[dict]:
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     running = [r for r in records.all_records() if r.running()]
-    images = current_survey().snapshots
+    images = current_survey({r.id for r in running}).snapshots
     out = []
     for s in SnapshotStore().list()[:limit]:
         try:

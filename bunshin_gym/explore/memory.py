@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,6 @@ from bunshin_gym.workspace.memstat import (
     _PFN_MASK,
     _PRESENT,
     PAGE,
-    _resident_maps,
     copied_pages,
     group_memory,
 )
@@ -56,6 +56,9 @@ class Survey:
 
     workspaces: dict[str, dict] = field(default_factory=dict)
     snapshots: dict[str, dict] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)  # the running workspaces it looked at
+    taken: float = 0.0  # when (time.time()) it started
+    seconds: float = 0.0  # how long it took
 
 
 def images_dir(p: Paths | None = None) -> Path | None:
@@ -92,24 +95,23 @@ def _image_files(root: Path) -> tuple[dict[int, str], dict[str, dict]]:
 def image_frames(pids: list[int], device: int, owners: dict[int, str]) -> dict[str, np.ndarray]:
     """Physical frames of page-image pages (not private copies of them) the processes map,
     by the snapshot whose image they belong to: ``owners`` maps a page image's inode on
-    ``device`` to its snapshot."""
+    ``device`` to its snapshot. Reads ``/proc/PID/maps`` (device and inode of each mapping's
+    file), not ``smaps``: a clone maps its image only where it had memory, and a desktop's
+    smaps is tens of thousands of lines."""
     out: dict[str, list[np.ndarray]] = {}
     for pid in pids:
         try:
-            maps = _resident_maps(pid)
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
             pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # exited meanwhile
         try:
             for line in maps:
-                fields = line.split()
-                if len(fields) < 6 or not fields[5].startswith("/"):
-                    continue
-                try:  # the mapped file itself, whatever path the process sees it under
-                    st = os.stat(f"/proc/{pid}/map_files/{fields[0]}")
-                except OSError:
-                    continue
-                snap = owners.get(st.st_ino) if st.st_dev == device else None
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or fields[4] == "0":
+                    continue  # anonymous
+                major, minor = fields[3].split(":")
+                snap = owners.get(int(fields[4])) if os.makedev(int(major, 16), int(minor, 16)) == device else None
                 if snap is None:
                     continue
                 start, end = (int(x, 16) for x in fields[0].split("-"))
@@ -139,17 +141,20 @@ def _workspace(rec: records.Record, device: int, owners: dict[int, str]) -> tupl
 
 def survey(p: Paths | None = None) -> Survey:
     """Memory of every running workspace and of every snapshot's image copy (see the module
-    docs). Reads every page table of the workspaces' processes: about 0.1 s per GB mapped."""
+    docs). Reads every page table of the workspaces' processes and their ``smaps``: seconds for
+    a desktop (chromium has thousands of mappings), see :func:`bunshin_gym.explore.live.current_survey`."""
     p = p or paths()
+    out = Survey(taken=time.time())
+    t0 = time.perf_counter()
     root = images_dir(p)
     owners, held = _image_files(root) if root is not None else ({}, {})
     device = os.stat(root).st_dev if root is not None else -1
-    out = Survey()
     mapped: dict[str, list[np.ndarray]] = {}
     mappers: dict[str, set[str]] = {}
     for rec in records.all_records(p):
         if not rec.running():
             continue
+        out.seen.add(rec.id)
         try:
             row, frames = _workspace(rec, device, owners)
         except OSError as e:  # going away while we read it (its processes, its cgroup)
@@ -163,4 +168,5 @@ def survey(p: Paths | None = None) -> Survey:
         n = int(np.unique(np.concatenate(mapped[snap])).size) * PAGE if snap in mapped else 0
         out.snapshots[snap] = {**sizes, "mapped": n, "held_only": max(0, sizes["pages"] - n),
                                "mapped_by": sorted(mappers.get(snap, ()))}
+    out.seconds = round(time.perf_counter() - t0, 3)
     return out

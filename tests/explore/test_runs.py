@@ -202,3 +202,33 @@ def test_screenshots_go_to_pytests_temporary_folder(shots, tmp_path_factory):
         assert shots.is_dir()  # refreshing the committed screenshots on purpose
         return
     assert shots.is_relative_to(tmp_path_factory.getbasetemp()) and shots.is_dir()
+
+
+def test_live_memory_survey_is_reused_while_fresh_and_retaken_for_a_new_workspace(monkeypatch):
+    """The page's memory numbers (explore/live.current_survey), with a stand-in for the survey
+    (the real one is tested on real clones in test_memory.py): a survey is reused for 4x what
+    it took, but not once a workspace it did not see runs (past what it took)."""
+    from bunshin_gym.explore import live, memory
+
+    seen: set[str] = set()
+    taken: list[memory.Survey] = []
+
+    def survey() -> memory.Survey:
+        taken.append(memory.Survey(seen=set(seen), taken=time.time(), seconds=0.25))
+        return taken[-1]
+
+    monkeypatch.setattr(live.memory, "survey", survey)
+    monkeypatch.setattr(live, "_last_survey", None)
+    monkeypatch.setattr(live, "SURVEY_TTL_S", 0.0)
+    seen.add("ws-a")
+    first = live.current_survey({"ws-a"})
+    assert live.current_survey({"ws-a"}) is first and len(taken) == 1  # fresh for 4 x 0.25 s
+    seen.add("ws-b")
+    assert live.current_survey({"ws-a", "ws-b"}) is first  # missing ws-b, but only 0.25 s are waited
+    time.sleep(0.3)
+    second = live.current_survey({"ws-a", "ws-b"})
+    assert second is not first and second.seen == {"ws-a", "ws-b"} and len(taken) == 2
+    time.sleep(0.3)
+    assert live.current_survey({"ws-a", "ws-b"}) is second  # complete: fresh for 1 s
+    time.sleep(0.8)
+    assert live.current_survey({"ws-a", "ws-b"}) is not second and len(taken) == 3

@@ -371,7 +371,9 @@ async function loadWorkspaces() {
         el("td", { class: "num mem-held", text: mb(m.held_only) }),
         el("td", { text: x.clones.join(" ") }), el("td", { text: (m.mapped_by || []).join(" ") })));
     }
-    $("#ws-updated").textContent = "updated " + new Date().toLocaleTimeString();
+    const ms = w.memory_survey || {};
+    $("#ws-updated").textContent = "updated " + new Date().toLocaleTimeString()
+      + (ms.taken ? `; memory counted at ${new Date(ms.taken * 1000).toLocaleTimeString()} in ${fmt(ms.seconds, 1)} s` : "");
   } catch (e) {
     $("#ws-updated").textContent = String(e);
   }
