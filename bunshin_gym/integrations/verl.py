@@ -141,6 +141,8 @@ class BunshinAgentLoop(ToolAgentLoop):
     """
 
     family: ClassVar[type[BunshinEnvironment]] = BunshinEnvironment
+    # groups being run, by task and uid; touched only from the worker's event loop (verl runs all
+    # trajectories of a worker as tasks of one loop), between awaits, so it needs no lock
     _groups: ClassVar[dict[str, _Group]] = {}
 
     def __init__(self, *args: Any, tools: Any = None, **kwargs: Any) -> None:
