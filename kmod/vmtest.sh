@@ -7,7 +7,7 @@
 #   vmtest.sh bench    build, boot, time sharing vs copying (BUNSHIN_KMOD_MIB, default 1024)
 #   vmtest.sh e2e      build, boot with the host's root file system (virtio-9p, read-only,
 #                      overlay) and run the workspace "kmod" memory mode for real: real module,
-#                      real CRIU, real workspaces (tests/test_kmod_e2e.py + a kmod/copy
+#                      real CRIU, real workspaces (tests/workspace/test_kmod_e2e.py + a kmod/copy
 #                      memory comparison written to build/e2e.json)
 #
 # Idempotent and cached: packages are installed once, the kernel image is

@@ -43,7 +43,7 @@ def fresh_ws():
 @pytest.fixture
 def kmod_double(monkeypatch):
     """``kmod_double(mode)``: for memory mode "kmod" on a host without the bunshin_share module
-    (this one), run its whole path with the copying test double (tests/test_fork_kmod.py)."""
+    (this one), run its whole path with the copying test double (tests/workspace/test_fork_kmod.py)."""
     from bunshin_gym import kmod_share
 
     def apply(mode: str) -> None:

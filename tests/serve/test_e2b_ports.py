@@ -4,6 +4,7 @@ URLs (``upload_url``/``download_url`` of a secure sandbox)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import httpx
@@ -13,9 +14,11 @@ from e2b import Sandbox
 from bunshin_gym.serve import ports
 
 ECHO_SERVER = r"""
-import http.server, sys
+import http.server, sys, time
 class Echo(http.server.BaseHTTPRequestHandler):
     def answer(self):
+        if self.path == "/slow":
+            time.sleep(5)
         if self.path == "/huge":
             body = b"x" * int(sys.argv[2])
         else:
@@ -69,6 +72,16 @@ def test_get_host_reaches_a_port_inside_with_the_traffic_token(server, sandbox):
         assert r.status_code == 413, "requests are bounded"
         r = c.get("/after", headers=token)
         assert r.status_code == 200, "the port still answers after refused requests"
+
+        # a slow port holds up nothing else of the sandbox (the forwarder runs detached)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(c.get, "/slow", headers=token)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            assert sandbox.commands.run("echo meanwhile").stdout == "meanwhile\n"
+            assert time.monotonic() - t0 < 3 and not slow.done()
+            assert slow.result().text == "GET /slow |"
+        assert sandbox.commands.run("ls -a /tmp | grep -c bunshin-port || true").stdout == "0\n", "no file left"
     with httpx.Client(base_url=server.url) as c:  # the server's own routes are untouched
         assert c.get("/health").status_code == 204
 

@@ -15,7 +15,7 @@ from fork_programs import host
 from bunshin_gym import kmod_share
 from bunshin_gym.kmod_share import DEVICE, KmodShare, PidFD, anonymous_ranges
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_available_matches_device_node(tmp_path):

@@ -381,7 +381,7 @@ def test_chromium_in_a_desktop_clone_survives_five_minutes_of_activity():
     import sys
     import urllib.parse
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from envs.osworld import desktop
 
     page = ("data:text/html,<title>soak</title><script>let k=0;setInterval(()=>{let a=[];for(let i=0;i<200000;i++)"

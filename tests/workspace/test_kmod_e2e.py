@@ -4,7 +4,7 @@ The development host cannot load modules, so the tests that need ``/dev/bunshin_
 skipped there; ``make -C kmod e2e`` (kmod/e2e.sh) boots Debian's 6.1 kernel in a qemu VM with
 the host's root file system over virtio-9p, loads the module and runs this file inside it.
 ``test_kmod_e2e_in_vm`` (markers ``slow``, ``vm``) is the host side: it runs that VM.
-(tests/test_fork_kmod.py runs the same restore path on the host with a copying test double.)
+(tests/workspace/test_fork_kmod.py runs the same restore path on the host with a copying test double.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from bunshin_gym import kmod_share
 from bunshin_gym.workspace import Workspace, kmod, memstat, records
 from bunshin_gym.workspace.cgroups import Cgroup
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PORT = 7321
 MB = 32
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -173,7 +173,7 @@ def test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode(real_module):
 def test_kmod_e2e_in_vm():
     """Runs this file (and the kmod/copy memory comparison) inside a qemu VM with the module."""
     _, log = host.kmod_vm("e2e", timeout=4000)
-    assert "PASSED tests/test_kmod_e2e.py::test_kmod_clones_map_the_holders_pages_copy_on_write" in log
-    assert "PASSED tests/test_kmod_e2e.py::test_kmod_rollback_and_ephemeral_fork_with_the_module" in log
-    assert "PASSED tests/test_kmod_e2e.py::test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode" in log
+    assert "PASSED tests/workspace/test_kmod_e2e.py::test_kmod_clones_map_the_holders_pages_copy_on_write" in log
+    assert "PASSED tests/workspace/test_kmod_e2e.py::test_kmod_rollback_and_ephemeral_fork_with_the_module" in log
+    assert "PASSED tests/workspace/test_kmod_e2e.py::test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode" in log
     assert (REPO / "kmod/build/e2e.json").exists()

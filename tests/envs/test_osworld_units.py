@@ -13,7 +13,7 @@ from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, metrics, tasks
 from bunshin_gym.envs.osworld.env import Computer13Space, check_computer_13
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = Path("/work/shared/formats/osworld")
 ASSETS = REPO / "envs" / "osworld" / "assets"
 

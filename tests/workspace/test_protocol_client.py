@@ -1,7 +1,7 @@
 """The one client of the servers inside a workspace (protocol.Client, and WorkspaceClient
 reaching a socket through a workspace's root): the reconnect policy, deadlines, size caps,
 and how the socket is reached. Units against a server thread on a socket in tmp_path: no
-workspace, no root (the same clients against real workspaces: tests/test_bad_input.py,
+workspace, no root (the same clients against real workspaces: tests/envs/test_bad_input.py,
 tests/security/)."""
 
 from __future__ import annotations

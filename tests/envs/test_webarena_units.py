@@ -18,7 +18,7 @@ from bunshin_gym.envs.webarena.actions import ActionSyntaxError, parse_action
 from bunshin_gym.envs.webarena.observation import find_element, parse_aria, render_tree, tabs_line
 from bunshin_gym.envs.webarena.tasks import TASKS_DIR, load_config, load_task, shipped_task_ids
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORMATS = REPO.parent / "shared" / "formats" / "webarena"
 SITES = {"__SHOPPING__": "http://127.0.0.1:7770"}
 

@@ -19,7 +19,7 @@ import pytest
 import bunshin_gym  # noqa: F401 - registers the envs
 from bunshin_gym.envs.osworld import desktop
 
-DUMP = Path(__file__).resolve().parents[1] / "envs" / "osworld" / "runtime" / "a11y_dump.py"
+DUMP = Path(__file__).resolve().parents[2] / "envs" / "osworld" / "runtime" / "a11y_dump.py"
 _spec = importlib.util.spec_from_file_location("a11y_dump", DUMP)
 a11y = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(a11y)

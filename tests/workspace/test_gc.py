@@ -133,7 +133,7 @@ REAPERLESS = textwrap.dedent("""
 
 def test_a_zombie_pid1_counts_as_dead():
     proc = subprocess.Popen([sys.executable, "-c", REAPERLESS], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     ws_id = None
     try:
         ws_id, pid1 = proc.stdout.readline().split()

@@ -218,7 +218,7 @@ def dropping_server():
     from bunshin_gym.envs.osworld import desktop
     from bunshin_gym.workspace.protocol import AGENT_SOCKET
 
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     # the program goes on the command line: tmpfs covers /tmp (and tmp_path) in its namespace
     proc = subprocess.Popen(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",

@@ -66,7 +66,7 @@ def test_root_holds_only_image_and_runtime_entries(ws):
 
 
 def test_host_paths_outside_the_image_are_invisible(ws):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     marker = Path("/var/tmp") / f"bunshin-host-marker-{secrets.token_hex(4)}"
     marker.write_text("host secret")
     try:
