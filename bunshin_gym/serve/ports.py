@@ -9,10 +9,11 @@ Every such request must carry the sandbox's traffic access token
 (``e2b-traffic-access-token``, :attr:`e2b.Sandbox.traffic_access_token`) or its envd access
 token (``X-Access-Token``): bunshin never serves a sandbox's ports to the public.
 
-How it is forwarded: one request at a time, through the workspace's agent, by a small
-``bash`` client run inside the workspace that sends the request with
-``Connection: close`` and returns the response as it came; the server parses it with
-``h11``. Bodies are bounded both ways (:data:`MAX_BODY`) and a request takes at most
+How it is forwarded: by a small ``bash`` client (``/dev/tcp``) started inside the workspace
+for each request, detached (the agent serves one request at a time: a slow port must not
+hold up the sandbox's other requests), which sends the request with ``Connection: close``
+and keeps the answer in a file that the server reads once the client is done and parses
+with ``h11``. Bodies are bounded both ways (:data:`MAX_BODY`) and a request takes at most
 :data:`TIMEOUT` seconds. The agent has no socket relay (it serves one request and answers
 with all of it), so streaming responses and WebSockets are not forwarded.
 """
@@ -23,13 +24,16 @@ import asyncio
 import hmac
 import logging
 import re
+import secrets
+import time
+from dataclasses import dataclass
 
 import h11
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from bunshin_gym.serve.registry import Registry, ServeError
-from bunshin_gym.serve.sandbox import DEFAULT_USER, Sandbox
+from bunshin_gym.serve.sandbox import DEFAULT_USER, Sandbox, read_optional
 from bunshin_gym.workspace import WorkspaceError
 
 log = logging.getLogger(__name__)
@@ -57,6 +61,26 @@ head -c "$2" <&3
 """
 #: what the forwarder copies at most: the body limit and room for the status line and headers
 _ANSWER_LIMIT = MAX_BODY + (1 << 20)
+
+#: runs the forwarder detached, from BASE.req to BASE.ans and BASE.err, bounded by `timeout`,
+#: and writes its status to BASE.st last (through a rename: never seen half written)
+RUNNER = r"""
+b=$1
+timeout -s KILL "$4" bash -c "$5" forward "$2" "$3" < "$b.req" > "$b.ans" 2> "$b.err"
+echo $? > "$b.st.tmp" && mv "$b.st.tmp" "$b.st"
+"""
+#: polling of a forwarded request's status: first interval, growth, cap (seconds)
+POLL_FIRST, POLL_GROWTH, POLL_MAX = 0.002, 1.5, 0.1
+
+
+@dataclass
+class Exchange:
+    """What the forwarder left: its exit status, the answer, its errors."""
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
 
 
 def target_of(host: str | None) -> tuple[int, str] | None:
@@ -119,13 +143,41 @@ def _request_bytes(request: Request, port: int, body: bytes) -> bytes:
     return head + (conn.send(h11.Data(data=body)) if body else b"") + conn.send(h11.EndOfMessage())
 
 
-def _exchange(sb: Sandbox, port: int, raw: bytes):
+def _exchange(sb: Sandbox, port: int, raw: bytes) -> Exchange:
+    """Send ``raw`` to the port and get its answer. The forwarder runs detached and the
+    server polls for its status: the workspace's agent serves one request at a time, and a
+    port that answers slowly must not hold up the sandbox's commands and files meanwhile."""
+    base = f"/tmp/.bunshin-port-{secrets.token_hex(8)}"
     with sb.lock:
-        return sb.workspace().exec(["/bin/bash", "-c", FORWARDER, "forward", str(port), str(_ANSWER_LIMIT + 1)],
-                                   stdin=raw, user=DEFAULT_USER, timeout=TIMEOUT, max_output=_ANSWER_LIMIT + 1)
+        ws = sb.workspace()
+        ws.write_file(f"{base}.req", raw, owner=DEFAULT_USER, mkdirs=False)
+        ws.spawn(["/bin/bash", "-c", RUNNER, "bunshin-port", base, str(port), str(_ANSWER_LIMIT + 1),
+                  str(int(TIMEOUT)), FORWARDER], user=DEFAULT_USER)
+    try:
+        deadline, delay = time.monotonic() + TIMEOUT + 10, POLL_FIRST
+        while True:
+            with sb.lock:
+                status = read_optional(sb.workspace(), f"{base}.st")
+            if status is not None:
+                break
+            if time.monotonic() > deadline:  # `timeout` should have ended it already
+                return Exchange(-1, timed_out=True)
+            time.sleep(delay)
+            delay = min(delay * POLL_GROWTH, POLL_MAX)
+        code = int(status.strip() or b"-1")
+        with sb.lock:
+            ws = sb.workspace()
+            return Exchange(code, ws.read_file(f"{base}.ans"), ws.read_file(f"{base}.err"), timed_out=code == 137)
+    finally:
+        try:
+            with sb.lock:
+                sb.workspace().exec(["/bin/sh", "-c", 'rm -f "$1.req" "$1.ans" "$1.err" "$1.st"', "sh", base],
+                                    user=DEFAULT_USER, timeout=10)
+        except Exception as e:  # noqa: BLE001 - the sandbox may be gone; its files went with it
+            log.debug("cleaning up a forwarded request in %s: %s", sb.id, e)
 
 
-def _response(res, method: str, port: int, sb_id: str) -> Response:
+def _response(res: Exchange, method: str, port: int, sb_id: str) -> Response:
     if res.timed_out:
         raise ServeError(f"port {port} of sandbox {sb_id} did not answer within {TIMEOUT:g} s", 504)
     if res.exit_code == 3:

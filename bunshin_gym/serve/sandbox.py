@@ -240,9 +240,9 @@ class Sandbox(Lease):
         deadline = time.monotonic() + 30
         while True:
             with self.lock:
-                pid = _read_optional(self.workspace(), ready) is not None and _read_optional(self.workspace(),
+                pid = read_optional(self.workspace(), ready) is not None and read_optional(self.workspace(),
                                                                                               f"{d}/pid")
-                failed = None if pid else _read_optional(self.workspace(), f"{d}/exit")
+                failed = None if pid else read_optional(self.workspace(), f"{d}/exit")
             if pid:
                 break
             if failed is not None or time.monotonic() > deadline:
@@ -263,7 +263,7 @@ class Sandbox(Lease):
         :data:`OUTPUT_CHUNK` bytes of each). The exit code comes only with the last output."""
         with self.lock:
             ws = self.workspace()
-            code = _read_optional(ws, f"{command.dir}/exit")
+            code = read_optional(ws, f"{command.dir}/exit")
             out, more_out = _read_output(ws, f"{command.dir}/out", out_from, command.user)
             err, more_err = _read_output(ws, f"{command.dir}/err", err_from, command.user)
         # the code read before the output: the output read after it is complete (another
@@ -280,12 +280,12 @@ class Sandbox(Lease):
         seg_size = terminal.SEGMENT
         with self.lock:
             ws = self.workspace()
-            code = _read_optional(ws, f"{command.dir}/exit")
+            code = read_optional(ws, f"{command.dir}/exit")
             seg, pos = divmod(offset, seg_size)
             chunks: list[bytes] = []
             at_end = True
             for i in range(terminal.SEGMENTS_PER_POLL + 1):
-                data = _read_optional(ws, f"{command.dir}/pty.{seg}")
+                data = read_optional(ws, f"{command.dir}/pty.{seg}")
                 if data is None:
                     oldest = None if chunks else self._oldest_segment(command)
                     if oldest is None or oldest <= seg:
@@ -309,7 +309,7 @@ class Sandbox(Lease):
 
     def _ended(self, command: Command) -> bool:
         with self.lock:
-            code = _read_optional(self.workspace(), f"{command.dir}/exit")
+            code = read_optional(self.workspace(), f"{command.dir}/exit")
         if code is not None:
             command.exit_code = int(code.strip() or b"-1")
         return code is not None
@@ -350,7 +350,7 @@ class Sandbox(Lease):
         for c in list(self.commands.values()):
             if c.exit_code is None and not self._ended(c):
                 with self.lock:
-                    gone = _read_optional(self.workspace(), f"{c.dir}/pid") is None
+                    gone = read_optional(self.workspace(), f"{c.dir}/pid") is None
                 if gone:  # its directory was removed (from inside): it is not ours to list
                     c.exit_code = -1
                 else:
@@ -362,7 +362,7 @@ class Sandbox(Lease):
         with self.lock:
             groups = [str(command.pid)]
             if command.pty:  # the terminal's shell leads a session of its own
-                child = _read_optional(self.workspace(), f"{command.dir}/child")
+                child = read_optional(self.workspace(), f"{command.dir}/child")
                 if child and child.strip().isdigit():
                     groups.append(child.strip().decode())
             # bash's kill: procps' and dash's do not take a negative pid (a group) after --
@@ -421,7 +421,7 @@ def _read_output(ws: Workspace, path: str, offset: int, user: str) -> tuple[byte
     :data:`INLINE_OUTPUT` (or past the agent's cap on a read) only the range is read."""
     if offset < INLINE_OUTPUT:
         try:
-            data = _read_optional(ws, path) or b""
+            data = read_optional(ws, path) or b""
         except AgentError as e:
             if e.errno != errno.EFBIG:
                 raise
@@ -432,7 +432,8 @@ def _read_output(ws: Workspace, path: str, offset: int, user: str) -> tuple[byte
     return res.stdout[:OUTPUT_CHUNK], len(res.stdout) > OUTPUT_CHUNK
 
 
-def _read_optional(ws: Workspace, path: str) -> bytes | None:
+def read_optional(ws: Workspace, path: str) -> bytes | None:
+    """A file of the workspace, or None when it does not exist."""
     try:
         return ws.read_file(path)
     except AgentError as e:
