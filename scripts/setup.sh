@@ -62,7 +62,12 @@ if [ "$(cat "$VENV/.bunshin-stamp" 2>/dev/null)" != "$stamp" ]; then
 	say "installing bunshin-gym (editable) with pinned dependencies"
 	"$VENV/bin/pip" install -q -c "$REPO/constraints.txt" -e "$REPO[web,train,dev,serve,integrations,cluster]" > "$VENV/pip.log" 2>&1 ||
 		{ tail -n 30 "$VENV/pip.log"; say "pip failed; full log: $VENV/pip.log"; exit 1; }
-	"$VENV/bin/python" -c "import bunshin_gym, gymnasium, torch, trl" 
+	# verl's declared pins exclude our transformers and tensordict, yet its agent loop imports and
+	# runs with them (tests/integrations/test_verl.py): it alone goes in without its dependencies
+	say "installing verl (pinned, --no-deps) for bunshin_gym.integrations.verl"
+	"$VENV/bin/pip" install -q --no-deps -c "$REPO/constraints.txt" verl >> "$VENV/pip.log" 2>&1 ||
+		{ tail -n 30 "$VENV/pip.log"; say "pip failed (verl); full log: $VENV/pip.log"; exit 1; }
+	"$VENV/bin/python" -c "import bunshin_gym, gymnasium, torch, trl, verl.experimental.agent_loop" 
 	echo "$stamp" > "$VENV/.bunshin-stamp"
 else
 	say "virtual environment up to date ($VENV)"

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import leftovers
 
-verl = pytest.importorskip("verl")
-from omegaconf import OmegaConf  # noqa: E402
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry  # noqa: E402
-from verl.protocol import DataProto  # noqa: E402
-from verl.workers.rollout.replica import TokenOutput  # noqa: E402
+# scripts/setup.sh installs verl (--no-deps): a missing verl is a set-up failure, not a skip
+import verl
+from conftest import leftovers
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+from verl.protocol import DataProto
+from verl.workers.rollout.replica import TokenOutput
 
 import bunshin_gym.integrations.verl as bverl  # noqa: E402
 from bunshin_gym.train.tools import call_text  # noqa: E402
