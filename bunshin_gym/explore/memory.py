@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,10 +140,11 @@ def _workspace(rec: records.Record, device: int, owners: dict[int, str]) -> tupl
     return row, frames
 
 
-def survey(p: Paths | None = None) -> Survey:
+def survey(p: Paths | None = None, only: Collection[str] | None = None) -> Survey:
     """Memory of every running workspace and of every snapshot's image copy (see the module
     docs). Reads every page table of the workspaces' processes and their ``smaps``: seconds for
-    a desktop (chromium has thousands of mappings), see :func:`bunshin_gym.explore.live.current_survey`."""
+    a desktop (chromium has thousands of mappings), see :func:`bunshin_gym.explore.live.current_survey`.
+    ``only``: look at these workspaces alone (a snapshot's ``mapped`` then counts their pages only)."""
     p = p or paths()
     out = Survey(taken=time.time())
     t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def survey(p: Paths | None = None) -> Survey:
     mapped: dict[str, list[np.ndarray]] = {}
     mappers: dict[str, set[str]] = {}
     for rec in records.all_records(p):
-        if not rec.running():
+        if not rec.running() or (only is not None and rec.id not in only):
             continue
         out.seen.add(rec.id)
         try:
