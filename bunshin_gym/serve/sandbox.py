@@ -360,14 +360,16 @@ class Sandbox(Lease):
     def signal(self, command: Command, sig: str) -> None:
         """Signal the command's process group (its children too)."""
         with self.lock:
-            groups = [str(command.pid)]
+            # its group, and itself: the wrapper writes the pid before the command's setsid
+            # may have run (on a loaded host), and then there is no such group yet
+            targets = [f"-{command.pid}", str(command.pid)]
             if command.pty:  # the terminal's shell leads a session of its own
                 child = read_optional(self.workspace(), f"{command.dir}/child")
                 if child and child.strip().isdigit():
-                    groups.append(child.strip().decode())
+                    targets.append(f"-{child.strip().decode()}")
             # bash's kill: procps' and dash's do not take a negative pid (a group) after --
-            res = self.workspace().exec(["/bin/bash", "-c", 'sig=$1; shift; kill -s "$sig" -- "${@/#/-}"', "bash",
-                                         sig, *groups], timeout=10)
+            res = self.workspace().exec(["/bin/bash", "-c", 'sig=$1; shift; kill -s "$sig" -- "$@"', "bash",
+                                         sig, *targets], timeout=10)
         if not res.ok and b"No such process" not in res.stderr:
             raise ServeError(f"cannot signal process {command.pid}: {res.stderr.decode(errors='replace')}", 500)
         command.signalled = sig
