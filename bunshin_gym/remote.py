@@ -25,7 +25,7 @@ import gymnasium as gym
 import httpx
 
 from bunshin_gym import config
-from bunshin_gym.errors import BunshinError
+from bunshin_gym.errors import BunshinError, ResetNeeded
 from bunshin_gym.serve import codec
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class _Connection:
                 message = r.json().get("message") or r.text
             except ValueError:
                 message = r.text
+            if r.status_code == 409 and "ResetNeeded" in r.text:
+                raise ResetNeeded(message)  # as the local env raises it: a step after the episode's end
             raise RemoteError(f"{method} {path}: {r.status_code}: {message}", r.status_code)
         if r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
             return codec.decode(r.content)

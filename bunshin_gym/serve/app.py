@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from bunshin_gym.config import paths
+from bunshin_gym.errors import BunshinError, ResetNeeded, TaskError
 from bunshin_gym.serve import e2b_api, envd, envs_api, ports
 from bunshin_gym.serve.auth import Principal, TokenStore, token_from_headers
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
@@ -273,6 +274,23 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
 
     @api.exception_handler(WorkspaceError)
     async def workspace_error(request: Request, e: WorkspaceError) -> JSONResponse:
+        return JSONResponse({"code": 500, "message": f"{type(e).__name__}: {e}"}, status_code=500)
+
+    @api.exception_handler(ResetNeeded)
+    async def reset_needed(request: Request, e: ResetNeeded) -> JSONResponse:
+        # a step after the episode's end is the client's mistake, and the connection stays
+        # usable (an unhandled error would make the server drop it); RemoteEnv raises it again
+        return JSONResponse({"code": 409, "message": str(e), "error": "ResetNeeded"}, status_code=409)
+
+    @api.exception_handler(TaskError)
+    async def task_error(request: Request, e: TaskError) -> JSONResponse:
+        return JSONResponse({"code": 400, "message": f"bad task: {e}"}, status_code=400)
+
+    @api.exception_handler(BunshinError)
+    async def bunshin_error(request: Request, e: BunshinError) -> JSONResponse:
+        # a handled error: the response goes out and the connection is kept (the catch-all
+        # below re-raises after responding, and the client then sees its connection reset)
+        log.warning("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
         return JSONResponse({"code": 500, "message": f"{type(e).__name__}: {e}"}, status_code=500)
 
     @api.exception_handler(RequestValidationError)

@@ -38,6 +38,11 @@ def test_gym_make_with_server_gives_a_remote_env_that_plays_like_a_local_one(ser
         obs, reward, terminated, truncated, info = env.step("DONE")
         assert (reward, terminated, info["success"]) == (1.0, True, True)
         assert len(workspace_ids_of_server(server) - before) == 1
+        # a step after the end raises what a local env raises, and the env (and its connection) go on
+        with pytest.raises(gym.error.ResetNeeded, match="reset"):
+            env.step("true")
+        obs, info = env.reset(options={"task": TASK})
+        assert env.step("ls /data | wc -l")[0]["output"].strip() == "7"
     finally:
         env.close()
     assert workspace_ids_of_server(server) - before == set(), "close reclaims the env's workspace"
