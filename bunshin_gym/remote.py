@@ -233,25 +233,30 @@ def _reattach(env_id: str, server: str, token: str, timeout: float, desc: dict) 
 class RemoteGroup:
     """A GRPO group run on the server (:class:`~bunshin_gym.rollout.group.GroupVectorEnv`):
     the task set up once, ``num_envs`` forked members, each member's calls served from the
-    owner's prefix cache on the server when ``prefix_cache=True`` (it persists across groups).
+    owner's prefix cache on the server when ``prefix_cache=True`` (it persists across groups),
+    and each member's next call speculated on the server while the caller's policy thinks when
+    ``speculation=True`` (a selector trained on the owner's trajectory log, which the owner's
+    prefix-cached groups write; nothing is speculated before that log has trajectories).
 
     ``reset(options)`` gives the batched observation; ``step(actions)`` one action per member
-    (finished members are skipped, as locally); ``cache_stats`` the server cache's counters
-    after the last step.
+    (finished members are skipped, as locally); ``cache_stats`` and ``speculation_stats`` the
+    server's counters after the last step.
     """
 
     def __init__(self, env_id: str, num_envs: int, server: str, *, token: str | None = None,
-                 prefix_cache: bool = False, timeout: float = 600.0, **kwargs: Any):
+                 prefix_cache: bool = False, speculation: bool = False, timeout: float = 600.0, **kwargs: Any):
         self._conn = _Connection(server, token, timeout)
         self._conn.users = 1
         try:
             desc = self._conn.request("POST", "/envs/groups", {"env_id": env_id, "num_envs": num_envs,
-                                                                "kwargs": kwargs, "prefix_cache": prefix_cache})
+                                                                "kwargs": kwargs, "prefix_cache": prefix_cache,
+                                                                "speculation": speculation})
         except BaseException:
             self._conn.release()
             raise
         self.remote_id, self.num_envs = desc["id"], desc["num_envs"]
         self.cache_stats: dict | None = None
+        self.speculation_stats: dict | None = None
 
     def reset(self, *, options: dict | None = None):
         out = self._conn.request("POST", f"/envs/groups/{self.remote_id}/reset", {"options": options})
@@ -259,7 +264,7 @@ class RemoteGroup:
 
     def step(self, actions: list):
         out = self._conn.request("POST", f"/envs/groups/{self.remote_id}/step", {"actions": list(actions)})
-        self.cache_stats = out["cache"]
+        self.cache_stats, self.speculation_stats = out["cache"], out.get("speculation")
         return out["observation"], out["reward"], out["terminated"], out["truncated"], out["info"]
 
     def close(self) -> None:

@@ -186,19 +186,13 @@ class HostActor:
         import gymnasium as gym
 
         import bunshin_gym  # noqa: F401 - registers the envs
-        from bunshin_gym.rollout import SpecToolSelector, Speculation, TrajectoryLog
-
         del after
         with self._lock:
             self._load += 1
         t0 = time.perf_counter()
         kinds: list[list[str]] = [[] for _ in range(group)]
         try:
-            spec = None
-            entries = TrajectoryLog.load(self.trajlog.path) if self.speculation else []
-            if entries:
-                spec = Speculation(SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
-                                   min_duration=0.5)
+            spec = self._speculation() if self.speculation else None
 
             def on_step(i: int, step: Any) -> None:
                 info = step.info
@@ -227,11 +221,23 @@ class HostActor:
                 "events": self.events()}
 
     # one group driven call by call (gym.make_vec(..., cluster=...)) --------------------------
-    def open_group(self, env_id: str, num_envs: int, *, prefix_cache: bool = False,
+    def _speculation(self) -> Any:
+        """Speculation with a selector trained on this host's trajectory log so far (None while
+        the log is empty: there is nothing to predict from)."""
+        from bunshin_gym.rollout import SpecToolSelector, Speculation, TrajectoryLog
+
+        entries = TrajectoryLog.load(self.trajlog.path)
+        if not entries:
+            return None
+        return Speculation(SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
+                           min_duration=0.5)
+
+    def open_group(self, env_id: str, num_envs: int, *, prefix_cache: bool = False, speculation: bool = False,
                    env_kwargs: dict | None = None) -> dict:
         """Open a :class:`~bunshin_gym.rollout.group.GroupVectorEnv` here (its workspaces are
         made at its first reset); ``prefix_cache``: its members are served by this host's
-        prefix cache. Returns its id and the single env's spaces."""
+        prefix cache; ``speculation``: speculative tool execution with a selector trained on
+        this host's trajectory log. Returns its id and the single env's spaces."""
         import uuid
 
         import gymnasium as gym
@@ -239,7 +245,8 @@ class HostActor:
         import bunshin_gym  # noqa: F401 - registers the envs
 
         envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
-                            cache=self.cache if prefix_cache else None, **(env_kwargs or {}))
+                            cache=self.cache if prefix_cache else None,
+                            speculation=self._speculation() if speculation else None, **(env_kwargs or {}))
         gid = f"{self.name}-grp-{uuid.uuid4().hex[:12]}"
         with self._lock:
             self._groups[gid] = envs

@@ -48,20 +48,25 @@ class ClusterGroupVectorEnv(VectorEnv):
         prefix_cache: serve the members from their host's prefix cache (the cluster's index
             then learns what the group cached, for later placements).
         prefix: call signatures the group is known to start with (placement).
+        speculation: run speculative tool execution on the host, with a selector trained on
+            the host's trajectory log (as :meth:`HostActor.run_group` does; nothing is
+            speculated until that log holds trajectories).
         **env_kwargs: passed to ``gym.make(env_id, ...)`` on the host (they must pickle).
     """
 
     metadata = {"autoreset_mode": AutoresetMode.DISABLED}
 
     def __init__(self, cluster: Any, env_id: str, num_envs: int, *, prefix_cache: bool = False,
-                 prefix: Sequence[str] = (), **env_kwargs: Any):
+                 prefix: Sequence[str] = (), speculation: bool = False, **env_kwargs: Any):
         if num_envs < 1:
             raise ValueError(f"a group needs num_envs >= 1, got {num_envs}")
-        for key in ("cache", "speculation", "member_wrappers", "step_log"):
+        if not isinstance(speculation, bool):
+            raise ValueError("speculation= is True or False on a cluster: the host trains its own selector")
+        for key in ("cache", "member_wrappers", "step_log"):
             if env_kwargs.get(key) is not None:
                 raise ValueError(f"{key}= is a local object: a cluster group uses its host's (prefix_cache=True)")
         self.cluster, self.env_id, self.num_envs = cluster, env_id, num_envs
-        self.prefix_cache, self.prefix = prefix_cache, tuple(prefix)
+        self.prefix_cache, self.prefix, self.speculation = prefix_cache, tuple(prefix), speculation
         self.env_kwargs = env_kwargs
         self.host: str | None = None
         self.decision: Decision | None = None
@@ -74,7 +79,8 @@ class ClusterGroupVectorEnv(VectorEnv):
     # placement -------------------------------------------------------------------------
     def _open(self, decision: Decision) -> None:
         out = self._call(self.cluster.hosts[decision.host].open_group, self.env_id, self.num_envs,
-                         prefix_cache=self.prefix_cache, env_kwargs=self.env_kwargs, host=decision.host)
+                         prefix_cache=self.prefix_cache, speculation=self.speculation, env_kwargs=self.env_kwargs,
+                         host=decision.host)
         self.host, self.decision, self._gid = decision.host, decision, out["id"]
         self.single_observation_space = out["observation_space"]
         self.single_action_space = out["action_space"]

@@ -230,12 +230,27 @@ def router(service) -> APIRouter:
     caches: dict[str, Any] = {}  # owner -> PrefixCache: shared by an owner's groups, across epochs
 
     def _cache(who: Principal):
-        from bunshin_gym.rollout import PrefixCache
+        from bunshin_gym.rollout import PrefixCache, TrajectoryLog
 
         with registry_lock:
             if who.name not in caches:
-                caches[who.name] = PrefixCache(service.config.state_path / "prefix-cache" / who.name)
+                root = service.config.state_path / "prefix-cache" / who.name
+                # the cache logs every call: what the owner's speculation selector learns from
+                caches[who.name] = PrefixCache(root, log=TrajectoryLog(root / "log.jsonl"))
             return caches[who.name]
+
+    def _speculation(who: Principal):
+        """Speculation with a selector trained on the owner's trajectory log so far (None while
+        it is empty: nothing to predict from); trained again for each group, so later groups
+        learn from earlier ones, as the rollout engine's epochs do."""
+        from bunshin_gym.rollout import SpecToolSelector, Speculation, TrajectoryLog
+
+        log_path = _cache(who).log.path
+        entries = TrajectoryLog.load(log_path) if log_path.exists() else []
+        if not entries:
+            return None
+        return Speculation(SpecToolSelector.train(entries), durations=TrajectoryLog.durations(entries),
+                           episode_times=TrajectoryLog.episode_times(entries))
 
     def _make_group(who: Principal, body: dict) -> GroupLease:
         from bunshin_gym.rollout.group import GroupVectorEnv
@@ -252,8 +267,11 @@ def router(service) -> APIRouter:
         memory = Limits.parse(kwargs.get("limits")).memory
         registry.reserve(who, n + 1, (n + 1) * memory)
         try:
+            if not isinstance(body.get("speculation", False), bool):
+                raise ServeError("speculation must be true or false", 400)
             cache = _cache(who) if body.get("prefix_cache") else None
-            group = GroupVectorEnv(env_name, n, cache=cache, **kwargs)
+            spec = _speculation(who) if body.get("speculation") else None
+            group = GroupVectorEnv(env_name, n, cache=cache, speculation=spec, **kwargs)
         except TypeError as e:
             registry.unreserve(who, n + 1, (n + 1) * memory)
             raise ServeError(f"{env_name}: {e}", 400) from None
@@ -289,9 +307,10 @@ def router(service) -> APIRouter:
             raise ServeError(f"actions must be a list of {lease.group.num_envs} actions", 400)
         def work() -> bytes:
             obs, rewards, terms, truncs, infos = _locked(lease, lease.group.step, actions)
-            cache = lease.group.cache
+            cache, spec = lease.group.cache, lease.group.speculation
             return codec.encode({"observation": obs, "reward": rewards, "terminated": terms, "truncated": truncs,
-                                 "info": infos, "cache": vars(cache.stats) if cache is not None else None})
+                                 "info": infos, "cache": vars(cache.stats) if cache is not None else None,
+                                 "speculation": vars(spec.stats) if spec is not None else None})
 
         return frame(await asyncio.to_thread(work))
 

@@ -5,6 +5,8 @@ host that dies fails the group's call with HostLost and the next reset goes else
 
 from __future__ import annotations
 
+import time
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -128,6 +130,31 @@ def test_a_cluster_group_is_placed_where_its_task_is_cached_and_survives_its_hos
         assert "error" not in report[holder], report  # the dead host's workspaces reclaimed on its node
     for name in HOSTS:
         assert leftovers(name) == {"records": [], "workspaces": [], "snapshots": [], "cgroups": []}, name
+
+
+def test_a_cluster_group_speculates_with_its_hosts_selector(ray_local):
+    """speculation=True: the host trains a selector on its trajectory log (filled by a first
+    batch) and speculates each member's next call in a fork while the caller thinks."""
+    slow = ("sleep 0.8; ls /data | wc -l > answer.txt", "DONE")  # past the host's 0.5 s threshold
+    nodes.remove(HOSTS[1])  # (made by the tests before)
+    with BunshinCluster(HOSTS[:1], fresh=True) as c:
+        # one member: a second one would be served from the cache, and its ~0 s call would halve
+        # the recorded median duration the host's threshold is compared with
+        [first] = c.run_batch([GroupSpec(TASK, ReplayPolicy((slow,)), 1)])
+        assert first.rewards == [1.0] and first.kinds == [["executed", "executed"]], first
+        envs = make_vec(cluster=c, speculation=True)
+        try:
+            envs.reset(options={"task": TASK})
+            time.sleep(8)  # the policy's think time: the host runs the predicted call meanwhile
+            _, rewards, *_, infos = envs.step([slow[0]] * 3)
+            assert [i.get("speculation") for i in infos["member_info"]] == ["hit"] * 3, infos
+            _, rewards, terms, *_ = envs.step(["DONE"] * 3)
+            assert list(rewards) == [1.0] * 3 and terms.all()
+        finally:
+            envs.close()
+        with pytest.raises(ValueError, match="True or False"):
+            make_vec(cluster=c, speculation=object())
+    assert leftovers(HOSTS[0]) == {"records": [], "workspaces": [], "snapshots": [], "cgroups": []}
 
 
 def test_bad_arguments_are_refused_before_anything_is_made(ray_local):
