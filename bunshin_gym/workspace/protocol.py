@@ -149,7 +149,12 @@ def serve_unix(path: str, handle: Callable[[dict, list[bytes]], tuple[dict, Iter
                     req, blobs = recv_msg(conn)
                 except (ProtocolError, OSError, ValueError):
                     break
-                reply, out = handle(req, blobs)
+                try:
+                    reply, out = handle(req, blobs)
+                except Exception as e:  # noqa: BLE001 - a failure of this request, not of the server
+                    # (a handler's own error path can fail too: a late SIGALRM, a broken display)
+                    print(f"{name}: {req.get('op')!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    reply, out = {"error": f"{name} failed on this request: {type(e).__name__}: {e}"}, []
                 try:
                     send_msg(conn, reply, list(out))
                 except OSError:

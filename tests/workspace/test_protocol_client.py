@@ -249,3 +249,41 @@ def test_a_dropped_client_closes_its_connection_at_once(server):
         assert server.closed.wait(5)
     finally:
         gc.enable()
+
+
+def test_the_server_loop_answers_a_failing_request_with_an_error_and_serves_on(tmp_path):
+    """serve_unix (the desktop input server's and the web driver's loop): a request whose
+    handler raises gets an error reply on the same connection; the daemon does not die."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from bunshin_gym.workspace import protocol
+
+    sock = tmp_path / "daemon.sock"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(protocol.__file__).parent)!r})
+        from protocol import serve_unix
+        def handle(req, blobs):
+            if req["op"] == "boom":
+                raise RuntimeError("kaboom")
+            return {{"op": req["op"]}}, []
+        serve_unix({str(sock)!r}, handle, name="test daemon")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        client = _client(sock)
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.02)
+        reply, _ = client.request({"op": "boom"})
+        assert "kaboom" in reply["error"] and "test daemon" in reply["error"]
+        assert client.connected  # the same connection answers the next request
+        assert client.request({"op": "ping"})[0] == {"op": "ping"}
+        assert proc.poll() is None
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait()
