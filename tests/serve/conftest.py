@@ -100,6 +100,16 @@ def opts(server):
     assert not left, f"the test left {left}"
 
 
+@pytest.fixture
+def sandbox(opts):
+    """A sandbox of the base image, made through the e2b SDK and killed after the test."""
+    from e2b import Sandbox
+
+    sb = Sandbox.create("base", **opts)
+    yield sb
+    sb.kill()
+
+
 def workspace_ids_of_server(server: Server) -> set[str]:
     """Ids of the live workspaces the server created (detached sandboxes and its envs')."""
     from bunshin_gym.workspace import records

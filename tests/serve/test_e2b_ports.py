@@ -8,7 +8,6 @@ import concurrent.futures
 import time
 
 import httpx
-import pytest
 from e2b import Sandbox
 
 from bunshin_gym.serve import ports
@@ -36,13 +35,6 @@ class Echo(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Echo).serve_forever()
 """
-
-
-@pytest.fixture
-def sandbox(opts):
-    sb = Sandbox.create("base", **opts)
-    yield sb
-    sb.kill()
 
 
 def test_get_host_reaches_a_port_inside_with_the_traffic_token(server, sandbox):

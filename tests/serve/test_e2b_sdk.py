@@ -19,13 +19,6 @@ from e2b.exceptions import (
 from .conftest import BOB, e2b_opts, leases, workspace_ids_of_server
 
 
-@pytest.fixture
-def sandbox(opts):
-    sb = Sandbox.create("base", **opts)
-    yield sb
-    sb.kill()
-
-
 def test_create_run_files_list_kill(server, opts):
     before = workspace_ids_of_server(server)
     sb = Sandbox.create("base", metadata={"run": "t1"}, envs={"GREETING": "hi"}, **opts)

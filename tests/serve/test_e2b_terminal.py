@@ -8,17 +8,10 @@ import threading
 import time
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, Sandbox
+from e2b import AsyncSandbox, CommandExitException
 from e2b.sandbox.commands.command_handle import PtySize
 
 from bunshin_gym.serve import terminal
-
-
-@pytest.fixture
-def sandbox(opts):
-    sb = Sandbox.create("base", **opts)
-    yield sb
-    sb.kill()
 
 
 class Screen:

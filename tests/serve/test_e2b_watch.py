@@ -8,17 +8,10 @@ import asyncio
 import time
 
 import pytest
-from e2b import AsyncSandbox, Sandbox
+from e2b import AsyncSandbox
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType as T
 
 from bunshin_gym.serve import watch
-
-
-@pytest.fixture
-def sandbox(opts):
-    sb = Sandbox.create("base", **opts)
-    yield sb
-    sb.kill()
 
 
 def events(handle) -> list[tuple[str, T]]:
