@@ -171,6 +171,16 @@ class BunshinEnvironment:
             return [*({"type": "image", "image": im} for im in shown.images), {"type": "text", "text": text}]
         return text
 
+    def _adopt(self, base: Any) -> str | list:
+        """Take ``base``, a WorkspaceEnv already reset (a clone of a group's set-up), as this
+        instance's episode and return the first observation's content: the entry for other
+        trainers' loops (verl's). Private on purpose: TRL offers every public method as a tool."""
+        obs = base.observe()
+        info = {"task_id": base.task.id, "instruction": base.task.instruction}
+        self._env, self._base = self._wrap(base, obs, info), base
+        self._reward, self._finished, self.task_id = 0.0, False, base.task.id
+        return self._content(base.task.instruction, obs)
+
     def _wrap(self, env: gym.Env, obs: Any, info: dict) -> gym.Env:
         for wrapper in (self.speculation, self.cache):
             if wrapper is not None:

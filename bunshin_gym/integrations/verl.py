@@ -191,11 +191,7 @@ class BunshinAgentLoop(ToolAgentLoop):
             base = (await asyncio.to_thread(setup.clone, 1))[0]
         member = self.family()
         try:
-            obs = base.observe()
-            info = {"task_id": base.task.id, "instruction": base.task.instruction}
-            member._env, member._base = member._wrap(base, obs, info), base
-            member._reward, member._finished, member.task_id = 0.0, False, base.task.id
-            return member, member._content(base.task.instruction, obs)
+            return member, member._adopt(base)
         except BaseException:
             base.close()
             raise
