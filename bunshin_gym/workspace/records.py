@@ -28,6 +28,8 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
     finally:
         os.close(fd)
+    if b")" not in raw:  # nothing read: gone
+        return None
     fields = raw.rsplit(b")", 1)[1].split()
     return fields[0].decode(), int(fields[19])
 
