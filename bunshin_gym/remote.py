@@ -72,10 +72,12 @@ class _Connection:
             raise RemoteError(f"{method} {path}: the server could not be reached: {e}") from None
         if r.status_code >= 400:
             try:
-                message = r.json().get("message") or r.text
+                error = r.json()
             except ValueError:
-                message = r.text
-            if r.status_code == 409 and "ResetNeeded" in r.text:
+                error = None
+            error = error if isinstance(error, dict) else {}
+            message = error.get("message") or r.text
+            if r.status_code == 409 and error.get("error") == "ResetNeeded":
                 raise ResetNeeded(message)  # as the local env raises it: a step after the episode's end
             raise RemoteError(f"{method} {path}: {r.status_code}: {message}", r.status_code)
         if r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
