@@ -122,3 +122,25 @@ def test_setup_installs_every_extra_and_every_dependency_is_pinned():
     setup = (repo / "scripts/setup.sh").read_text()
     assert re.search(r'pip" install -q --no-deps -c "\$REPO/constraints.txt" verl ', setup)
     assert "verl==" in (repo / "constraints.txt").read_text()
+
+
+def test_the_verl_step_installs_the_pin_into_a_venv_that_lacks_it(tmp_path):
+    """Set-up's verl line, run as set-up runs it, against a new empty venv (a fresh machine's
+    view): it installs the pinned verl and nothing else (--no-deps: verl's own pins would
+    fight ours)."""
+    import sys
+
+    text = SETUP_SH.read_text()
+    line = re.search(r'^\t("\$VENV/bin/pip" install -q --no-deps [^\n]*verl[^\n]*) \|\|$', text, re.M)
+    assert line, "set-up has no verl install line"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin/python"), "install", "-q", "pip"],
+                   check=True, timeout=300, capture_output=True)
+    done = bash(f"set -Eeuo pipefail; {line.group(1)}", VENV=str(venv), REPO=str(REPO))
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = subprocess.run([str(venv / "bin/pip"), "list", "--format=freeze"], capture_output=True, text=True,
+                            check=True, timeout=120).stdout.split()
+    pin = next(p for p in (REPO / "constraints.txt").read_text().split() if p.startswith("verl=="))
+    assert pin in listed
+    assert not any(p.startswith(("torch==", "transformers==", "ray==")) for p in listed), listed
