@@ -8,9 +8,11 @@ The step log does, in ``steps.jsonl`` of a run directory, three kinds of lines:
 - ``{"kind": "group", "group", "epoch", "task", "members", "instruction", "obs", "time"}``:
   a group was set up (``obs``: its first observation, every member's start);
 - ``{"kind": "step", "group", "member", "episode", "depth", "action", "signature", "served",
-  "duration", "think_s", "fork_s", "reward", "terminated", "truncated", "error", "obs", "time"}``:
-  a member's step (``served``: ``executed``, ``cache`` or ``speculation``; ``duration``: what the
-  member waited for it; ``fork_s``: what the call took in its speculative fork, if adopted);
+  "duration", "think_s", "fork_s", "reward", "terminated", "truncated", "error", ["element_box",]
+  "obs", "time"}``: a member's step (``served``: ``executed``, ``cache`` or ``speculation``;
+  ``duration``: what the member waited for it; ``fork_s``: what the call took in its speculative
+  fork, if adopted; ``element_box``: the step info's, where a web action's element was, so the
+  explorer draws the action there);
 - ``{"kind": "end", "group", "member", "reward", "steps", "wall_s", "error", "time"}``.
 
 An observation is kept small: its text fields' tails inline (``obs["text"]``, at most
@@ -114,13 +116,16 @@ class StepLog:
     def step(self, group: str, member: int, depth: int, *, action: Any, obs: Any, reward: float,
              terminated: bool, truncated: bool, info: dict, duration: float, think_s: float | None = None,
              signature: str | None = None, episode: str | None = None) -> None:
-        self._write({"kind": "step", "group": group, "member": member, "episode": episode, "depth": depth,
-                     "action": action_text(action), "signature": signature or action_text(action),
-                     "served": served_from(info), "duration": round(float(duration), 6),
-                     "think_s": None if think_s is None else round(float(think_s), 6),
-                     "fork_s": _seconds(info.get("speculation_s")), "reward": float(reward),
-                     "terminated": bool(terminated), "truncated": bool(truncated),
-                     "error": info.get("error"), "obs": self.observation(obs)})
+        entry = {"kind": "step", "group": group, "member": member, "episode": episode, "depth": depth,
+                 "action": action_text(action), "signature": signature or action_text(action),
+                 "served": served_from(info), "duration": round(float(duration), 6),
+                 "think_s": None if think_s is None else round(float(think_s), 6),
+                 "fork_s": _seconds(info.get("speculation_s")), "reward": float(reward),
+                 "terminated": bool(terminated), "truncated": bool(truncated), "error": info.get("error")}
+        if info.get("element_box") is not None:  # only web steps that target an element have one
+            entry["element_box"] = info["element_box"]
+        entry["obs"] = self.observation(obs)
+        self._write(entry)
 
     def end(self, group: str, member: int, *, reward: float, steps: int, wall_s: float,
             error: str | None = None) -> None:

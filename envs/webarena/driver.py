@@ -60,6 +60,9 @@ KEYS = {"ctrl": "Control", "control": "Control", "cmd": "Meta", "meta": "Meta", 
         "backspace": "Backspace", "delete": "Delete", "del": "Delete", "up": "ArrowUp", "down": "ArrowDown",
         "left": "ArrowLeft", "right": "ArrowRight", "pageup": "PageUp", "pagedown": "PageDown", "home": "Home",
         "end": "End"}
+#: how long an action waits for its element's box before it runs (the action itself then waits
+#: for the element as long as it waits; a box not found in time is left out)
+BOX_TIMEOUT_MS = 1000
 
 
 def drop_privileges(user: str) -> None:
@@ -193,10 +196,35 @@ class Driver:
         return {"url": page.url, "aria": aria, "tabs": tabs, "active": self.active}, blobs
 
     def op_act(self, req: dict) -> tuple[dict, list]:
-        kind = req["kind"]
+        """One action. One that targets an element answers (and, failed, carries on its
+        error) ``element_box``: where the element was before the action ran."""
         page = self.page
-        before = len(self.context.pages)
         target = page.locator(f"aria-ref={req['ref']}") if req.get("ref") else None
+        box = self._element_box(target) if target is not None else None
+        try:
+            self._act(req, page, target)
+        except Exception as e:
+            if box is not None:
+                e.element_box = box  # serve() puts it in the error reply
+            raise
+        return ({"element_box": box} if box is not None else {}), []
+
+    def _element_box(self, target) -> dict | None:
+        """The element's bounding box now, before the action runs (a click first scrolls its
+        element into view, so this box is where it was on the page the action was chosen on):
+        ``x``, ``y``, ``width``, ``height`` in the viewport's CSS pixels, which are the
+        screenshot's (the env scales a screenshot to the viewport). None when the element is
+        not rendered (hidden, detached) or not found within BOX_TIMEOUT_MS: the action
+        then reports why."""
+        try:
+            box = target.bounding_box(timeout=min(BOX_TIMEOUT_MS, self.timeout_ms))
+        except PlaywrightError:
+            return None
+        return None if box is None else {k: round(float(box[k]), 1) for k in ("x", "y", "width", "height")}
+
+    def _act(self, req: dict, page, target) -> None:
+        kind = req["kind"]
+        before = len(self.context.pages)
         if kind == "click":
             target.click()
         elif kind == "hover":
@@ -239,7 +267,7 @@ class Driver:
                 self.context.new_page()
             self.active = len(self.context.pages) - 1
             self.page.bring_to_front()
-            return {}, []
+            return
         elif kind == "goto":
             page.goto(self.check_url(req["url"]))
         elif kind == "go_back":
@@ -250,7 +278,6 @@ class Driver:
             raise ValueError(f"unknown action kind {kind!r}")
         self._settle(before)
         self._pull_back()
-        return {}, []
 
     def op_evaluate(self, req: dict) -> tuple[dict, list]:
         """Evaluate a JS expression (``js``) or take the HTML (no ``js``) of the active page or,
@@ -302,7 +329,10 @@ def serve(make_driver, path: str) -> None:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the controller
             if not isinstance(e, (PlaywrightError, ValueError, KeyError)):
                 traceback.print_exc()
-            return {"error": f"{type(e).__name__}: {_first_line(e)}"}, []
+            reply = {"error": f"{type(e).__name__}: {_first_line(e)}"}
+            if getattr(e, "element_box", None) is not None:  # where a failed action's element was
+                reply["element_box"] = e.element_box
+            return reply, []
 
     serve_unix(path, handle, name="bunshin web driver")
 

@@ -127,6 +127,7 @@ class WebArenaEnv(WorkspaceEnv):
         self.observation_space = spaces.Dict(obs)
         self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
         self._client: BrowserClient | None = None
+        self._element_box: dict | None = None  # the element box of the step running now
         self.open_tabs: list[dict] = []
         self.active_tab = 0
         self._clear_episode()
@@ -200,6 +201,19 @@ class WebArenaEnv(WorkspaceEnv):
             state = sites[0].auth_state
         self.browser.request({"op": "setup", "storage_state": state, "urls": task.start_urls()})
 
+    def step(self, action: Any):
+        """One action (see :meth:`WorkspaceEnv.step`). An action that targets an element adds
+        ``info["element_box"]``, failed or not: the element's bounding box before the action
+        ran (``x``, ``y``, ``width``, ``height`` in the screenshot's pixels, which are the
+        viewport's CSS pixels; relative to the page as the step's previous observation showed
+        it), for drawing the action where it acted. The observation is unchanged."""
+        with self._lock:  # the box is this step's: no other thread's step in between
+            self._element_box = None
+            obs, reward, terminated, truncated, info = super().step(action)
+            if self._element_box is not None:
+                info["element_box"] = self._element_box
+            return obs, reward, terminated, truncated, info
+
     def execute(self, action: Any) -> dict:
         self._last_error = ""
         try:
@@ -237,9 +251,11 @@ class WebArenaEnv(WorkspaceEnv):
             except URLRefused as e:
                 return self._fail(f"{act.raw}: refused: {e}")
         try:
-            self.browser.request(req)
+            reply, _ = self.browser.request(req)
         except DriverError as e:
+            self._element_box = _box(getattr(e, "reply", {}).get("element_box"))
             return self._fail(f"{act.raw}: {e}")
+        self._element_box = _box(reply.get("element_box"))
         return {"action": act.raw}
 
     def _fail(self, message: str) -> dict:
@@ -323,6 +339,17 @@ class WebArenaEnv(WorkspaceEnv):
         self._tree = state.get("tree", "")
         self._targets = dict(state.get("targets", {}))
         self._last_error = state.get("last_error", "")
+
+
+def _box(value: Any) -> dict | None:
+    """The driver's ``element_box``, checked: four finite numbers, or None."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        box = {k: float(value[k]) for k in ("x", "y", "width", "height")}
+    except (KeyError, TypeError, ValueError):
+        return None
+    return box if all(np.isfinite(v) for v in box.values()) and box["width"] >= 0 and box["height"] >= 0 else None
 
 
 class _Page:
