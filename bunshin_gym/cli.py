@@ -304,7 +304,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--parallel", type=int, default=0, help="epoch: groups run at a time (default 0: all of an epoch)")
     be.add_argument("--replay", default=None, help="epoch: replay the trajectories saved in this results JSON")
     be.add_argument("--cache-budget-mb", type=int, default=None,
-                    help="epoch: snapshot bytes the prefix cache keeps resident (default: the cache's, 2048)")
+                    help="epoch: snapshot MB the prefix cache keeps resident (default: sized from the run, "
+                         "2%% of its workspaces' peak memory)")
     be.add_argument("--before", default=None,
                     help="containment: git revision to compare with (default 7213947, the last without containment)")
     be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")
