@@ -263,12 +263,29 @@ class OSWorldEnv(WorkspaceEnv):
                 never_sent = isinstance(e.__cause__, (Unreachable, BrokenPipeError, ConnectionResetError))
                 # dead (os._exit, a crash) or hung (the action ignored SIGALRM): the effects
                 # so far stay; the server is replaced and the episode goes on
+                why = self.input_server_postmortem()
+                log.warning("%s: the desktop input server broke on %s (%s); %s", self.workspace.id,
+                            req.get("op"), e, why)
                 self.restart_input_server()
                 if not never_sent or attempt == 1:
-                    raise ActionError(f"the action broke the desktop input server ({e}); it was restarted") from None
+                    raise ActionError(f"the action broke the desktop input server ({e}; {why}); "
+                                      "it was restarted") from None
                 log.warning("%s: the desktop input server was gone (%s); restarted, sending the action to it",
                             self.workspace.id, e)
         raise AssertionError("unreachable")
+
+    def input_server_postmortem(self) -> str:
+        """What is known of a server that dropped a request: whether it still runs, the
+        workspace's out-of-memory kills, and its log's last lines (for the error and the log)."""
+        ws = self.workspace
+        try:
+            alive = ws.exec(["pgrep", "-f", f"^python3 {desktop.OPT}/desktop_server.py"], timeout=10).text.split()
+            oom = ws.limit_state().get("oom_kill", 0)
+            tail = ws.exec(["tail", "-c", "600", f"{desktop.STATE}/desktop_server.log"], timeout=10).text.strip()
+        except WorkspaceError as e:
+            return f"no post-mortem: {e}"
+        state = f"server pid {', '.join(alive)} still runs" if alive else "the server is gone"
+        return f"{state}; out-of-memory kills so far {oom}; its log ends: {tail[-400:]!r}"
 
     def restart_input_server(self) -> None:
         """Replace the workspace's input server (killed first if it still runs) and wait until

@@ -126,6 +126,7 @@ def test_desktop_code_calling_os_exit_restarts_the_input_server_and_runs_once(de
     _desktop_works(desktop)  # a live connection, so a retry on a "stale" one would be possible
     obs, _, terminated, _, info = desktop.step(f"import os\nopen({RAN!r}, 'a').write('x\\n')\nos._exit(3)")
     assert "input server" in info["error"] and "restarted" in info["error"] and not terminated
+    assert "the server is gone" in info["error"], info  # the post-mortem says what happened to it
     assert desktop.observation_space.contains(obs)
     assert _runs(desktop) == before + 1  # run once, not again by a retry
     assert _server_pid(desktop) != pid
@@ -141,6 +142,7 @@ def test_desktop_code_ignoring_sigalrm_is_stopped_and_the_server_replaced(deskto
         "time.sleep(3600)")
     took = time.monotonic() - t0
     assert "restarted" in info["error"] and not terminated, info
+    assert "server pid" in info["error"] and "still runs" in info["error"], info  # hung, not dead
     assert took < desktop.unwrapped.action_timeout + 10 + 20  # the host's deadline, plus the restart
     assert _runs(desktop) == before + 1
     assert _server_pid(desktop) != pid
