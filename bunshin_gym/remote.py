@@ -6,8 +6,10 @@
     >>> snap = env.snapshot(); env.rollback(snap)
 
 It is a ``gymnasium.Env`` with the local envs' ``clone()``, ``snapshot()`` and
-``rollback()``. Observations come back as they are locally (arrays included: they travel
-zstd-compressed, see :mod:`bunshin_gym.serve.codec`). The token is ``token=`` or
+``rollback()``. Observations come back byte-for-byte as they are locally, arrays as read-only
+numpy arrays: they travel zstd-compressed (:mod:`bunshin_gym.serve.codec`) and, once the env
+holds a large array (a screenshot), as its changed rows only, or as "unchanged" (the same
+array object comes back; :mod:`bunshin_gym.serve.frames`). The token is ``token=`` or
 ``$BUNSHIN_SERVE_TOKEN``. While open, a RemoteEnv tells the server it is alive every third of
 the server's idle timeout; an env whose client is gone is reclaimed by the server once idle.
 """
@@ -27,6 +29,7 @@ import httpx
 from bunshin_gym import config
 from bunshin_gym.errors import BunshinError, ResetNeeded
 from bunshin_gym.serve import codec
+from bunshin_gym.serve.frames import HeldFrames
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class _Connection:
         self.users = 0
         self.lock = threading.Lock()
 
-    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+    def request(self, method: str, path: str, body: dict | None = None, held: HeldFrames | None = None) -> Any:
         try:
             r = self.http.request(method, path, json=body)
         except httpx.HTTPError as e:
@@ -81,7 +84,7 @@ class _Connection:
                 raise ResetNeeded(message)  # as the local env raises it: a step after the episode's end
             raise RemoteError(f"{method} {path}: {r.status_code}: {message}", r.status_code)
         if r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
-            return codec.decode(r.content)
+            return codec.decode(r.content, held)
         return r.json() if r.content else None
 
     def release(self) -> None:
@@ -100,15 +103,20 @@ class RemoteEnv(gym.Env):
         token: the API key (default ``$BUNSHIN_SERVE_TOKEN``).
         timeout: seconds one request may take (a reset of a desktop task takes many).
         ttl: seconds the server keeps the env at most (default: the server's).
+        frame_deltas: receive a large array the env already sent as its changes only (default);
+            False: whole arrays in every answer.
         **kwargs: the env's own keyword arguments (``task``, ``limits``, ...).
     """
 
     metadata = {"render_modes": []}
 
     def __init__(self, env_id: str, server: str, *, token: str | None = None, timeout: float = 600.0,
-                 ttl: float | None = None, _attach: tuple[_Connection, dict] | None = None, **kwargs: Any):
+                 ttl: float | None = None, frame_deltas: bool = True,
+                 _attach: tuple[_Connection, dict] | None = None, _held: HeldFrames | None = None, **kwargs: Any):
         self.env_id = env_id
         self.server = server
+        #: the large arrays this handle received last, by place: the bases of the next answer's deltas
+        self._held: HeldFrames | None = (_held or HeldFrames()) if frame_deltas else None
         if _attach is not None:
             self._conn, desc = _attach
         else:
@@ -145,14 +153,23 @@ class RemoteEnv(gym.Env):
         path = f"/envs/{self.remote_id}" + (f"/{what}" if what else "")
         return self._conn.request(method, path, body)
 
+    def _observe(self, what: str, body: dict) -> dict:
+        """A request whose answer carries an observation: it names the arrays held here."""
+        if self._held is None:
+            return self._call("POST", what, body)
+        if self._closed:
+            raise RemoteError(f"RemoteEnv {self.remote_id} is closed")
+        return self._conn.request("POST", f"/envs/{self.remote_id}/{what}", {**body, "frames": self._held.ids()},
+                                  self._held)
+
     # gymnasium API ---------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        out = self._call("POST", "reset", {"seed": seed, "options": options})
+        out = self._observe("reset", {"seed": seed, "options": options})
         return out["observation"], out["info"]
 
     def step(self, action: Any):
-        out = self._call("POST", "step", {"action": action})
+        out = self._observe("step", {"action": action})
         self.last_step_timing = out.get("timing") or {}
         return out["observation"], out["reward"], out["terminated"], out["truncated"], out["info"]
 
@@ -212,7 +229,9 @@ class RemoteEnv(gym.Env):
     def clone(self, n: int = 1, *, lazy: bool = False) -> list[RemoteEnv]:
         """``n`` envs forked on the server from this one's live state."""
         out = self._call("POST", "clone", {"n": n, "lazy": lazy})
-        return [RemoteEnv(self.env_id, self.server, _attach=(self._conn, d)) for d in out["envs"]]
+        # a clone's frame store on the server starts as a copy of this env's: so may its bases here
+        return [RemoteEnv(self.env_id, self.server, _attach=(self._conn, d), frame_deltas=self._held is not None,
+                          _held=self._held.copy() if self._held is not None else None) for d in out["envs"]]
 
     def snapshot(self, **tags: Any) -> RemoteSnapshot:
         out = self._call("POST", "snapshot", {"tags": tags})
@@ -220,7 +239,7 @@ class RemoteEnv(gym.Env):
 
     def rollback(self, snapshot: RemoteSnapshot | None = None) -> Any:
         """Back to a snapshot (default: right after the last reset); returns its observation."""
-        out = self._call("POST", "rollback", {"snapshot": snapshot.id if snapshot else None})
+        out = self._observe("rollback", {"snapshot": snapshot.id if snapshot else None})
         return out["observation"]
 
     def __repr__(self) -> str:

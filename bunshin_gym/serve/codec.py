@@ -3,18 +3,24 @@ travel as compressed bytes, not as JSON lists.
 
 A frame is ``MAGIC``, a 4-byte big-endian header length, the UTF-8 JSON header, then the
 blobs back to back; the header lists their lengths under ``"_blobs"``. An array inside the
-value is replaced by ``{"__ndarray__": i, "dtype", "shape", "codec"}`` naming blob ``i``,
-its bytes compressed with zstd's fast level -1 (a 1920x1080 screenshot: ~6 MB raw, ~120 KB
-compressed in ~15 ms, decompressed in ~6 ms; PNG took ~300 ms and zlib ~130 ms to
-compress the same). Bytes values travel as blobs too. Spaces travel as JSON descriptions
-(:func:`space_to_json`).
-"""
+value is replaced by ``{"__ndarray__": i, "dtype", "shape", "codec"}`` naming blob ``i``:
 
+- ``zstd``: its bytes compressed with zstd's fast level -1, straight from the array's memory
+  (a 1920x1080 desktop screenshot: 6 MB raw, ~12-120 KB compressed in 2-4 ms, decompressed
+  in ~1 ms on a quiet host; PNG took ~300 ms and zlib ~130 ms to compress the same);
+- with a frame store (the env API's per-env answers), large arrays also carry an ``id`` and
+  the ``digest`` of the server's array, and may be ``same`` (no blob: the client's array at
+  that place, ``base``, unchanged) or ``zstd-rows`` (the rows in ``spans`` replaced in the
+  client's ``base``): see :mod:`bunshin_gym.serve.frames`.
+
+Bytes values travel as blobs too. Spaces travel as JSON descriptions (:func:`space_to_json`).
+"""
 from __future__ import annotations
 
 import json
 import struct
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +28,7 @@ import zstandard
 from gymnasium import spaces
 
 from bunshin_gym.errors import BunshinError
+from bunshin_gym.serve import frames
 
 MAGIC = b"BSN1"
 MEDIA_TYPE = "application/x-bunshin-frame"
@@ -41,60 +48,135 @@ class FrameError(BunshinError, ValueError):
     """Bytes that are not a frame of this format."""
 
 
-def _encode_array(a: np.ndarray, blobs: list[bytes]) -> dict:
-    a = np.ascontiguousarray(a)
-    blobs.append(_zstd()[0].compress(a.tobytes()))
-    return {"__ndarray__": len(blobs) - 1, "dtype": a.dtype.str, "shape": list(a.shape), "codec": "zstd"}
+class _Encoder:
+    """One answer's encoding: blobs, and frame deltas when a store is given (see
+    :mod:`bunshin_gym.serve.frames`)."""
+
+    def __init__(self, store: frames.FrameStore | None, bases: Mapping[str, str] | None):
+        self.blobs: list[bytes] = []
+        self.store = store
+        self.bases = bases or {}
+
+    def blob(self, data: Any) -> int:
+        self.blobs.append(data)
+        return len(self.blobs) - 1
+
+    def array(self, a: np.ndarray, place: str) -> dict:
+        a = np.ascontiguousarray(a)
+        head = {"dtype": a.dtype.str, "shape": list(a.shape)}
+        if self.store is None or a.nbytes < frames.MIN_BYTES or a.ndim == 0 or a.shape[0] == 0:
+            return {"__ndarray__": self.blob(_zstd()[0].compress(frames.byte_view(a))), **head, "codec": "zstd"}
+        base_id = self.bases.get(place)
+        base = self.store.get(base_id) if isinstance(base_id, str) else None
+        if base is not None and base[0].shape == a.shape and base[0].dtype == a.dtype:
+            rows = frames.changed_rows(base[0], a)
+            if not len(rows):
+                return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id,
+                        "digest": base[1]}
+            if len(rows) <= frames.MAX_CHANGED_SHARE * a.shape[0]:
+                a_digest = frames.digest(a)
+                data = _zstd()[0].compress(frames.byte_view(np.ascontiguousarray(a[rows])))
+                return {"__ndarray__": self.blob(data), **head, "codec": "zstd-rows", "base": base_id,
+                        "spans": frames.spans(rows), "id": self.store.put(a, a_digest), "digest": a_digest}
+        a_digest = frames.digest(a)
+        return {"__ndarray__": self.blob(_zstd()[0].compress(frames.byte_view(a))), **head, "codec": "zstd",
+                "id": self.store.put(a, a_digest), "digest": a_digest}
+
+    def lower(self, value: Any, place: str) -> Any:
+        if isinstance(value, np.ndarray):
+            return self.array(value, place)
+        if isinstance(value, dict):
+            return {str(k): self.lower(v, f"{place}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.lower(v, f"{place}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, bytes):
+            return {"__bytes__": self.blob(value)}
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        return str(value)  # an odd info value (a path, an enum): its text, never a failed step
 
 
-def _decode_array(ref: dict, blobs: list[bytes]) -> np.ndarray:
-    try:
-        if ref["codec"] != "zstd":
-            raise FrameError(f"unknown array codec {ref['codec']!r}")
-        raw = _zstd()[1].decompress(blobs[ref["__ndarray__"]])
-        return np.frombuffer(raw, dtype=np.dtype(ref["dtype"])).reshape(tuple(int(n) for n in ref["shape"]))
-    except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
-        raise FrameError(f"a bad array in the frame: {e}") from None
+class _Decoder:
+    def __init__(self, blobs: list[bytes], held: frames.HeldFrames | None):
+        self.blobs = blobs
+        self.held = held
+        self.received: dict[str, tuple[str, np.ndarray]] = {}
 
+    def array(self, ref: dict, place: str) -> np.ndarray:
+        try:
+            kind = ref["codec"]
+            dtype, shape = np.dtype(ref["dtype"]), tuple(int(n) for n in ref["shape"])
+            if kind == "zstd":
+                raw = _zstd()[1].decompress(self.blobs[ref["__ndarray__"]])
+                a = np.frombuffer(raw, dtype=dtype).reshape(shape)
+            elif kind in ("same", "zstd-rows"):
+                base = self.held.get(place) if self.held is not None else None
+                if base is None or base[0] != ref["base"]:
+                    raise FrameError(f"{place}: a delta against frame {ref['base']!r}, which this client does "
+                                     f"not hold ({base[0] if base else 'none'})")
+                if base[1].shape != shape or base[1].dtype != dtype:
+                    raise FrameError(f"{place}: a delta of a {shape} {dtype} array against a "
+                                     f"{base[1].shape} {base[1].dtype} one")
+                if kind == "same":
+                    a = base[1]  # read-only: the same object serves again
+                else:
+                    a = self.patch(base[1], ref)
+            else:
+                raise FrameError(f"unknown array codec {kind!r}")
+        except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
+            if isinstance(e, FrameError):
+                raise
+            raise FrameError(f"a bad array in the frame: {e}") from None
+        if "id" in ref:
+            if kind != "same" and frames.digest(a) != ref["digest"]:
+                raise FrameError(f"{place}: the rebuilt array is not the server's (digest mismatch)")
+            self.received[place] = (ref["id"], a)
+        return a
 
-def _lower(value: Any, blobs: list[bytes]) -> Any:
-    if isinstance(value, np.ndarray):
-        return _encode_array(value, blobs)
-    if isinstance(value, dict):
-        return {str(k): _lower(v, blobs) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_lower(v, blobs) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, bytes):
-        blobs.append(value)
-        return {"__bytes__": len(blobs) - 1}
-    if value is None or isinstance(value, (str, int, float, bool)):
+    def patch(self, base: np.ndarray, ref: dict) -> np.ndarray:
+        rows = np.frombuffer(_zstd()[1].decompress(self.blobs[ref["__ndarray__"]]), dtype=base.dtype)
+        rows = rows.reshape(-1, *base.shape[1:])
+        out = base.copy()
+        at = 0
+        for start, stop in ref["spans"]:
+            if not 0 <= start < stop <= base.shape[0]:
+                raise FrameError(f"a delta's rows [{start}, {stop}) are outside the array's {base.shape[0]}")
+            out[start:stop] = rows[at:at + stop - start]
+            at += stop - start
+        if at != len(rows):
+            raise FrameError(f"a delta names {at} rows and carries {len(rows)}")
+        return frames.frozen(out)
+
+    def raise_(self, value: Any, place: str) -> Any:
+        if isinstance(value, dict):
+            if "__ndarray__" in value:
+                return self.array(value, place)
+            if "__bytes__" in value and len(value) == 1:
+                return self.blobs[value["__bytes__"]]
+            return {k: self.raise_(v, f"{place}/{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.raise_(v, f"{place}/{i}") for i, v in enumerate(value)]
         return value
-    return str(value)  # an odd info value (a path, an enum): its text, never a failed step
 
 
-def _raise(value: Any, blobs: list[bytes]) -> Any:
-    if isinstance(value, dict):
-        if "__ndarray__" in value:
-            return _decode_array(value, blobs)
-        if "__bytes__" in value and len(value) == 1:
-            return blobs[value["__bytes__"]]
-        return {k: _raise(v, blobs) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_raise(v, blobs) for v in value]
-    return value
+def encode(value: Any, *, store: frames.FrameStore | None = None, bases: Mapping[str, str] | None = None) -> bytes:
+    """One frame holding ``value`` (dicts, lists, scalars, strings, arrays, bytes).
 
-
-def encode(value: Any) -> bytes:
-    """One frame holding ``value`` (dicts, lists, scalars, strings, arrays, bytes)."""
-    blobs: list[bytes] = []
-    header = json.dumps({"value": _lower(value, blobs), "_blobs": [len(b) for b in blobs]},
+    With ``store`` (the env's :class:`~bunshin_gym.serve.frames.FrameStore`), large arrays
+    are sent as deltas against the arrays the client holds (``bases``: {place: id}, as
+    :meth:`~bunshin_gym.serve.frames.HeldFrames.ids` gives them) and kept for the next answer.
+    """
+    enc = _Encoder(store, bases)
+    header = json.dumps({"value": enc.lower(value, ""), "_blobs": [len(b) for b in enc.blobs]},
                         separators=(",", ":"), allow_nan=True).encode()
-    return b"".join([MAGIC, struct.pack(">I", len(header)), header, *blobs])
+    return b"".join([MAGIC, struct.pack(">I", len(header)), header, *enc.blobs])
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, held: frames.HeldFrames | None = None) -> Any:
+    """The value of a frame. ``held``: the client's frames, which deltas are applied to and
+    which the answer's large arrays then replace (only once the whole frame decoded)."""
     if data[:4] != MAGIC or len(data) < 8:
         raise FrameError("not a bunshin frame (bad magic)")
     (n,) = struct.unpack(">I", data[4:8])
@@ -108,7 +190,11 @@ def decode(data: bytes) -> Any:
         at += size
     if at != len(data):
         raise FrameError(f"the frame is {len(data)} bytes, its header names {at}")
-    return _raise(header["value"], blobs)
+    dec = _Decoder(blobs, held)
+    value = dec.raise_(header["value"], "")
+    if held is not None:
+        held.update(dec.received)
+    return value
 
 
 # spaces -------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 (:class:`bunshin_gym.remote.RemoteEnv` is its client).
 
 Requests are JSON; answers that carry observations are frames of
-:mod:`bunshin_gym.serve.codec` (arrays as compressed bytes). An env and its clones share
-one table of snapshots, so a clone can roll back to a snapshot its parent took.
+:mod:`bunshin_gym.serve.codec` (arrays as compressed bytes). A reset, step or rollback
+request may name the large arrays its client holds (``"frames": {place: id}``): its answer
+then sends those that did not change as "same" and the others as changed rows
+(:mod:`bunshin_gym.serve.frames`). An env and its clones share one table of snapshots, so a
+clone can roll back to a snapshot its parent took.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from bunshin_gym.config import Limits
 from bunshin_gym.registration import CLASSES as ENVS
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.auth import Principal
+from bunshin_gym.serve.frames import FrameStore
 from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError, json_object
 
 log = logging.getLogger(__name__)
@@ -52,9 +56,12 @@ class EnvLease(Lease):
     env: Any = None
     #: snapshots by id, shared by the env and every clone of it
     snapshots: dict[str, Any] = field(default_factory=dict)
+    #: the large arrays recently sent for this env (a clone's starts as a copy of its parent's)
+    frames: FrameStore = field(default_factory=FrameStore)
 
     def reclaim(self) -> None:
         env, self.env = self.env, None
+        self.frames.clear()
         if env is not None:
             env.close()
 
@@ -78,6 +85,24 @@ def frame(data: bytes) -> Response:
     return Response(content=data, media_type=codec.MEDIA_TYPE)
 
 
+def bases_of(body: dict) -> dict[str, str] | None:
+    """The arrays a request says its client holds ({place: id}); None when it names none
+    (a client without frame deltas: whole arrays, nothing kept for it)."""
+    held = body.get("frames")
+    if held is None:
+        return None
+    if not isinstance(held, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in held.items()):
+        raise ServeError("frames must be an object of array ids by place ({\"/observation/screenshot\": id})", 400)
+    return held
+
+
+def encode_for(lease: EnvLease, value: dict, bases: dict[str, str] | None) -> bytes:
+    """An env's answer, its large arrays as deltas against ``bases`` when the client names any."""
+    if bases is None:
+        return codec.encode(value)
+    return codec.encode(value, store=lease.frames, bases=bases)
+
+
 def router(service) -> APIRouter:
     r = APIRouter(prefix="/envs")
     registry: Registry = service.registry
@@ -88,10 +113,11 @@ def router(service) -> APIRouter:
         return registry.get(env_id, who, kind=EnvLease)
 
     def _add(who: Principal, env_name: str, env: Any, memory: int, ttl: float | None,
-             snapshots: dict) -> EnvLease:
+             snapshots: dict, store: FrameStore | None = None) -> EnvLease:
         lease = EnvLease(id=f"env-{secrets.token_hex(8)}", owner=who,
                          end_at=None if not ttl else time.time() + ttl, idle_timeout=service.config.idle_timeout,
-                         workspaces=1, memory=memory, env_id=env_name, env=env, snapshots=snapshots)
+                         workspaces=1, memory=memory, env_id=env_name, env=env, snapshots=snapshots,
+                         frames=store or FrameStore())
         return registry.add(lease)
 
     def _describe(lease: EnvLease) -> dict:
@@ -159,9 +185,11 @@ def router(service) -> APIRouter:
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ServeError(f"seed must be an integer, got {seed!r}", 400)
+        bases = bases_of(body)
+
         def work() -> bytes:
             obs, info = _locked(lease, lambda: lease.env.reset(seed=seed, options=body.get("options")))
-            return codec.encode({"observation": obs, "info": info})
+            return encode_for(lease, {"observation": obs, "info": info}, bases)
 
         return frame(await asyncio.to_thread(work))
 
@@ -171,12 +199,14 @@ def router(service) -> APIRouter:
         body = await json_object(request)
         if "action" not in body:
             raise ServeError("the body needs an action", 400)
+        bases = bases_of(body)
+
         def work() -> bytes:
-            # the frame is encoded here too: compressing a screenshot must not hold the event loop
+            # the frame is encoded here too: comparing a screenshot must not hold the event loop
             obs, reward, terminated, truncated, info = _locked(lease, lease.env.step, body["action"])
-            return codec.encode({"observation": obs, "reward": float(reward), "terminated": bool(terminated),
-                                 "truncated": bool(truncated), "info": info,
-                                 "timing": getattr(lease.env, "last_step_timing", {})})
+            return encode_for(lease, {"observation": obs, "reward": float(reward), "terminated": bool(terminated),
+                                      "truncated": bool(truncated), "info": info,
+                                      "timing": getattr(lease.env, "last_step_timing", {})}, bases)
 
         return frame(await asyncio.to_thread(work))
 
@@ -189,7 +219,8 @@ def router(service) -> APIRouter:
             registry.unreserve(who, n, n * lease.memory)
             raise
         ttl = None if lease.end_at is None else max(1.0, lease.end_at - time.time())
-        return [_add(who, lease.env_id, env, lease.memory, ttl, lease.snapshots) for env in clones]
+        return [_add(who, lease.env_id, env, lease.memory, ttl, lease.snapshots, lease.frames.fork())
+                for env in clones]
 
     @r.post("/{env_id}/clone", status_code=201)
     async def clone(env_id: str, request: Request, who: Principal = auth) -> JSONResponse:
@@ -214,7 +245,8 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/rollback")
     async def rollback(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        snap_id = (await json_object(request)).get("snapshot")
+        body = await json_object(request)
+        snap_id, bases = body.get("snapshot"), bases_of(body)
         snap = None
         if snap_id is not None:
             snap = lease.snapshots.get(snap_id)
@@ -222,7 +254,7 @@ def router(service) -> APIRouter:
                 raise NotFound(f"no snapshot {snap_id!r} of env {env_id} or its clones")
         def work() -> bytes:
             obs = _locked(lease, lambda: lease.env.rollback(snap))
-            return codec.encode({"observation": obs, "steps": lease.env.unwrapped.steps})
+            return encode_for(lease, {"observation": obs, "steps": lease.env.unwrapped.steps}, bases)
 
         return frame(await asyncio.to_thread(work))
 
