@@ -89,10 +89,9 @@ class Made:
                     self.ws_ids.add(rec.id)
                     self.subvolumes.add(Path(rec.subvolume).name)
                     self.cgroups.add(rec.cgroup)
-                    u = rec.extra.get("uffd") or {}
-                    for k in ("guard", "worker"):
-                        if u.get(k):
-                            self.monitors[int(u[k])] = u.get(f"{k}_start")
+                    if rec.uffd is not None:
+                        self.monitors[rec.uffd.guard] = rec.uffd.guard_start
+                        self.monitors[rec.uffd.worker] = rec.uffd.worker_start
             return self._save(rec, p)
 
         def write_meta(path: Path, meta: dict) -> None:

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from bunshin_gym.config import Paths, criu_carries, paths, uffd_delta
-from bunshin_gym.workspace import flatten, records, uffd
+from bunshin_gym.workspace import flatten, memory, records
 from bunshin_gym.workspace.errors import ForkError
 
 #: the criu binary dumps share clones as deltas if it contains this string (criu/patches/0014-*)
@@ -163,10 +163,12 @@ def _flatten_pagemaps(criu_dir: Path, out_dir: Path, new_pages_id) -> None:
 def dump_delta(rec: records.Record, parent_id: str | None, p: Paths | None = None) -> tuple[list[str], dict]:
     """``criu dump`` arguments and environment that make a snapshot of a clone served by its
     monitor a delta: the pages it never wrote since its restore from ``parent_id`` are recorded
-    as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off."""
+    as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off. Whether a
+    clone may be dumped so is its memory backend's call (share over uffd: the parent's tmpfs
+    copy of the images, which the clone maps, exists)."""
     p = p or paths()
-    if (not parent_id or "uffd" not in rec.extra or not uffd_delta()
-            or not uffd.has_image_copy(parent_id, p) or not criu_has_delta(p)):
+    if (not parent_id or not uffd_delta() or not memory.for_record(rec).can_dump_delta(rec, parent_id, p)
+            or not criu_has_delta(p)):
         return [], {}
     return ["--prev-images-dir", f"../../{parent_id}/criu"], {"CRIU_UFFD_PARENT": parent_id}
 

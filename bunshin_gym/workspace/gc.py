@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, criu_env, paths
-from bunshin_gym.workspace import cgroups, dumping, kmod, memory, pool, records, snapview, uffd
+from bunshin_gym.workspace import cgroups, dumping, memory, pool, records, snapview
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.images import build_lock
@@ -36,22 +36,16 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
     subvolumes and cgroups that no record names."""
     p = p or paths()
     rep = GcReport()
-    uffd.check_all(p)  # a clone whose uffd monitor died is stopped (then reclaimed below)
-    holders = []
+    for rec in records.all_records(p):  # a clone whose uffd monitor died is stopped (then reclaimed below)
+        memory.for_record(rec).health(rec, p)
     for rec in records.all_records(p):
-        if kmod.is_holder(rec) and not all_workspaces:
-            holders.append(rec)  # after the clones: a holder goes with the last kmod clone it serves
-        elif all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()) \
+        if memory.for_record(rec).collected_later(rec) and not all_workspaces:
+            continue  # a backend's helper (a kmod holder): after the clones it serves, below
+        if all_workspaces or not rec.owner_alive() or (rec.pid1 is not None and not rec.running()) \
                 or rec.abandoned():  # a half-restored clone (detached too) whose maker was killed
             reclaim(rec, p)
             rep.workspaces.append(rec.id)
-    for rec in holders:
-        snap_id = rec.extra[kmod.HOLDER_KEY]
-        if not (p.snapshots / snap_id).exists() or (rec.pid1 is not None and not rec.running()):
-            reclaim(rec, p)
-            rep.workspaces.append(rec.id)
-        else:
-            rep.workspaces += kmod.close_holders(snap_id, p, unless_used=True)
+    rep.workspaces += memory.registry.collect(p, reclaim)
     # a record is written before its subvolume and cgroup, so reading records after listing
     # them never sweeps a workspace that is being created (nor one a rollback moved into a
     # subvolume and cgroup named after the restore)
@@ -91,7 +85,7 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
     dump is still running (its in-progress lock held by the controller or its CRIU) is never
     touched."""
     swept = []
-    live = {r.snapshot for r in records.all_records(p) if r.running() and not kmod.is_holder(r)}
+    live = {r.snapshot for r in records.all_records(p) if r.running() and not r.holder_of}  # holders serve, not use
     for d in sorted(p.snapshots.iterdir()):
         if d.name.startswith(".") or d.name in live:
             continue
@@ -108,12 +102,12 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
             if (d / "meta.json").exists():  # complete; its maker died before dropping the marker
                 dumping.done(d)
             else:
-                _remove_dir(d)
+                _remove_dir(d, p)
                 swept.append(d.name)
                 continue
         if not (d / "meta.json").exists():
             if age > 60:  # an older one is no snapshot in progress
-                _remove_dir(d)
+                _remove_dir(d, p)
                 swept.append(d.name)
             continue
         if age < 60:  # a fork may be about to register its clones
@@ -122,8 +116,7 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
         release_snapshot(d.name, p)
         if before and not d.exists():
             swept.append(d.name)
-    memory.ksm_release("", live={r.id for r in records.all_records(p)})
-    uffd.sweep(p)
+    memory.registry.sweep(p)  # ksmd's users, uffd monitor files and image copies of workspaces gone
     return swept
 
 

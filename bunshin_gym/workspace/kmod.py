@@ -38,7 +38,8 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -244,16 +245,8 @@ def _maps(pid: int) -> list[Vma]:
     return parse_maps(Path(f"/proc/{pid}/maps").read_text())
 
 
-@dataclass
-class ShareStats:
-    processes: int = 0
-    ranges: int = 0
-    pages_shared: int = 0
-    pages_copied: int = 0  # by the test double, or ranges the module refused
-    fallback_ranges: int = 0
-    fallback_reasons: dict[str, int] = field(default_factory=dict)  # why: "protections", "EBUSY", ...
-    mechanism: str = ""
-    ms: float = 0.0
+#: what :func:`share_tree` did (a kmod clone's record keeps it: ``rec.kmod``)
+ShareStats = records.KmodShareStats
 
 
 def share_tree(holder_pids: dict[int, int], clone_pids: dict[int, int], use: Sharer) -> ShareStats:
@@ -297,16 +290,13 @@ def share_tree(holder_pids: dict[int, int], clone_pids: dict[int, int], use: Sha
 
 
 # holders -----------------------------------------------------------------------------------
-HOLDER_KEY = "holder_of"
-
-
 def is_holder(rec: records.Record) -> bool:
-    return bool(rec.extra.get(HOLDER_KEY))
+    return bool(rec.holder_of)
 
 
 def holders_of(snap_id: str, recs: list[records.Record] | None = None, p: Paths | None = None) -> list[records.Record]:
     """The records of a snapshot's holders (among ``recs``, default all records)."""
-    return [r for r in (records.all_records(p) if recs is None else recs) if r.extra.get(HOLDER_KEY) == snap_id]
+    return [r for r in (records.all_records(p) if recs is None else recs) if r.holder_of == snap_id]
 
 
 @contextlib.contextmanager
@@ -331,11 +321,12 @@ def holder_for(snap, p: Paths | None = None) -> records.Record:
         return holder._rec
 
 
-def close_holders(snap_id: str, p: Paths | None = None, *, unless_used: bool = False) -> list[str]:
-    """Reclaim the holders of a snapshot (on its deletion; with ``unless_used``, only when no
-    kmod clone of it is left: a holder costs a full copy of the snapshot's memory)."""
-    from bunshin_gym.workspace.workspace import reclaim
-
+def close_holders(snap_id: str, reclaim: Callable[[records.Record, Paths], None], p: Paths | None = None, *,
+                  unless_used: bool = False) -> list[str]:
+    """Reclaim the holders of a snapshot with ``reclaim`` (``workspace.reclaim``) on its
+    deletion; with ``unless_used``, only when no kmod clone of it is left: a holder costs a
+    full copy of the snapshot's memory."""
+    p = p or paths()
     recs = records.all_records(p)
     if unless_used and any(r.snapshot == snap_id and not is_holder(r) and r.memory_mode == "kmod" for r in recs):
         return []

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 
-from bunshin_gym.config import Paths, paths
+from bunshin_gym.config import Limits, Paths, paths
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -51,6 +53,73 @@ def process_alive(pid: int | None, start_time: int | None) -> bool:
 
 
 @dataclass
+class UffdMonitor:
+    """The userfaultfd monitor serving a share clone's anonymous memory (workspace/uffd.py):
+    its guard and worker processes, its socket, and the record id its files are named after
+    (a rollback moves a monitor between records; absent in records of older versions)."""
+
+    guard: int
+    guard_start: int | None
+    worker: int
+    worker_start: int | None
+    sock: str
+    stem: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> UffdMonitor:
+        return cls(**{k: data[k] for k in ("guard", "guard_start", "worker", "worker_start", "sock")},
+                   stem=data.get("stem"))
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        if self.stem is None:  # as older versions wrote it
+            del data["stem"]
+        return data
+
+
+@dataclass
+class KmodShareStats:
+    """What the kmod pre-resume script did for a kmod clone (workspace/kmod.py): processes and
+    ranges served from the holder, pages shared, pages copied (by the test double, or ranges
+    the module refused, counted by reason)."""
+
+    processes: int = 0
+    ranges: int = 0
+    pages_shared: int = 0
+    pages_copied: int = 0
+    fallback_ranges: int = 0
+    fallback_reasons: dict[str, int] = field(default_factory=dict)  # why: "protections", "EBUSY", ...
+    mechanism: str = ""
+    ms: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class KmodHolderStopped:
+    """What the kmod pre-resume script did for a holder: stopped its tasks before they ran."""
+
+    stopped: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def kmod_report(data: dict) -> KmodShareStats | KmodHolderStopped:
+    """The typed form of a kmod report (as the pre-resume script writes it, or a record holds it)."""
+    if "stopped" in data:
+        return KmodHolderStopped(int(data["stopped"]))
+    known = {f.name for f in fields(KmodShareStats)}
+    return KmodShareStats(**{k: v for k, v in data.items() if k in known})
+
+
+#: the keys of a record's ``extra`` object in its JSON file (the format of earlier versions,
+#: which kept these in an untyped dict): typed fields of :class:`Record` now
+_EXTRA_KEYS = ("limits", "uffd", "kmod", "holder_of")
+
+
+@dataclass
 class Record:
     id: str
     image: str
@@ -63,14 +132,20 @@ class Record:
     owner_start: int | None = None
     created: float = 0.0
     layer: str = ""  # runtime layer (top overlay lower) this workspace was started with
-    memory_mode: str = "share"  # how its clones get their memory (workspace/memory.py)
+    memory_mode: str = "share"  # how its clones get their memory (workspace/memory/)
     snapshot: str | None = None  # the snapshot it was restored from, if any
     userns_base: int | None = None  # host id of root inside (workspace/idmap.py); None: no user namespace
-    extra: dict = field(default_factory=dict)
     # the process starting or restoring it, until PID 1 is recorded: a detached workspace has no
     # owner, so this is what tells ``gc`` that a half-made one (its maker killed) is abandoned
     builder: int | None = None
     builder_start: int | None = None
+    # in the JSON file these four sit in an object named "extra" (see _EXTRA_KEYS)
+    limits: Limits | None = None  # memory, pids and disk limits it was started or restored with
+    uffd: UffdMonitor | None = None  # the monitor serving its anonymous memory (share mode over uffd)
+    kmod: KmodShareStats | KmodHolderStopped | None = None  # what its kmod restore did
+    # the snapshot whose anonymous memory this workspace holds for kmod clones (a holder: a
+    # helper of the memory backend, not a user of the snapshot)
+    holder_of: str | None = None
 
     def owner_alive(self) -> bool:
         return self.owner is None or process_alive(self.owner, self.owner_start)
@@ -82,6 +157,41 @@ class Record:
     def running(self) -> bool:
         return process_alive(self.pid1, self.pid1_start)
 
+    @property
+    def extra(self) -> Mapping[str, object]:
+        """Read-only: the typed fields as the JSON file's ``extra`` object holds them, for
+        readers of the layout of earlier versions (prefer the fields: ``uffd``, ``kmod``, ...)."""
+        return MappingProxyType(self.to_json()["extra"])
+
+    def to_json(self) -> dict:
+        """The record as its file holds it (the layout of earlier versions: see _EXTRA_KEYS)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _EXTRA_KEYS}
+        extra = {}
+        if self.limits is not None:
+            extra["limits"] = self.limits.as_dict()
+        if self.uffd is not None:
+            extra["uffd"] = self.uffd.to_json()
+        if self.kmod is not None:
+            extra["kmod"] = self.kmod.to_json()
+        if self.holder_of is not None:
+            extra["holder_of"] = self.holder_of
+        data["extra"] = extra
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Record:
+        """A record from its file, written by this version or an earlier one (newer fields are
+        ignored)."""
+        known = {f.name for f in fields(cls)} - set(_EXTRA_KEYS)
+        extra = data.get("extra") or {}
+        return cls(
+            **{k: v for k, v in data.items() if k in known},
+            limits=Limits.parse(extra["limits"]) if extra.get("limits") is not None else None,
+            uffd=UffdMonitor.from_json(extra["uffd"]) if extra.get("uffd") else None,
+            kmod=kmod_report(extra["kmod"]) if extra.get("kmod") is not None else None,
+            holder_of=extra.get("holder_of") or None,
+        )
+
 
 def _dir(p: Paths | None) -> Path:
     d = (p or paths()).records
@@ -92,14 +202,12 @@ def _dir(p: Paths | None) -> Path:
 def save(rec: Record, p: Paths | None = None) -> None:
     path = _dir(p) / f"{rec.id}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(rec)))
+    tmp.write_text(json.dumps(rec.to_json()))
     os.replace(tmp, path)
 
 
 def _parse(text: str) -> Record:
-    data = json.loads(text)
-    known = Record.__dataclass_fields__
-    return Record(**{k: v for k, v in data.items() if k in known})  # newer fields are ignored
+    return Record.from_json(json.loads(text))
 
 
 def load(ws_id: str, p: Paths | None = None) -> Record | None:
@@ -139,6 +247,6 @@ def all_records(p: Paths | None = None) -> list[Record]:
     for f in sorted(_dir(p).glob("*.json")):
         try:
             out.append(_parse(f.read_text()))
-        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        except (FileNotFoundError, ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError
             continue
     return out

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -42,12 +43,10 @@ from bunshin_gym.workspace import (
     flatten,
     idmap,
     integrity,
-    kmod,
     memory,
     pool,
     records,
     snapview,
-    uffd,
 )
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
@@ -117,8 +116,8 @@ class Snapshot:
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         mode = memory.MemoryMode.parse(mode or self.mode)
-        if mode is memory.MemoryMode.KMOD:
-            kmod.check_available(self._p)  # before anything is made
+        backend = memory.backend(mode)
+        backend.check_available(self._p)  # before anything is made
         verify(self)  # a damaged image is refused before anything is made
         me = os.getpid()
         recs = []
@@ -131,21 +130,21 @@ class Snapshot:
                 owner_start=None if detached else records.proc_start_time(me), created=time.time(),
                 **records.made_by_me(),  # gc reclaims a half-restored clone once we are gone
                 # clones keep the snapshot's limits (older snapshots: the defaults)
-                extra={"limits": self.meta.get("limits") or Limits.from_env().as_dict(),
-                       **({kmod.HOLDER_KEY: self.id} if _holder else {})},
+                limits=Limits.parse(self.meta.get("limits") or Limits.from_env()),
+                holder_of=self.id if _holder else None,
             ))
         clones = [Workspace(rec, self._p) for rec in recs]
         try:
-            if mode is memory.MemoryMode.KMOD or n == 1:
+            if backend.one_by_one or n == 1:
                 for rec in recs:
                     records.save(rec, self._p)
-                    Cgroup.create(rec.cgroup, Limits.parse(rec.extra["limits"]))
-                holder = _kmod_holder(self, mode)  # once the clones' records keep it from `bunshin gc`
+                    Cgroup.create(rec.cgroup, Limits.parse(rec.limits))
+                helper = backend.helper(self, self._p)  # once the clones' records keep it from `bunshin gc`
                 view = snapview.view_for(self)  # once for all clones: what they may see at /.snap
                 _lay_files(self, recs)
-                procs = [_start_restore(self, rec, mode, self._p, holder, view) for rec in recs]
+                procs = [_start_restore(self, rec, self._p, helper, view) for rec in recs]
             else:
-                procs = _start_clones(self, recs, mode)
+                procs = _start_clones(self, recs, backend)
             failed = []  # wait for every restore, so none is left unreaped and unreported
             for rec, proc in zip(recs, procs, strict=True):
                 try:
@@ -170,7 +169,7 @@ class Snapshot:
         wait_replaced(self.id)  # a rollback's replaced processes are killed: let them go first
         running = [r for r in records.all_records(self._p) if r.running()]
         snaps = SnapshotStore(self._p).list()
-        clones = [r.id for r in running if r.snapshot == self.id and not kmod.is_holder(r)]
+        clones = [r.id for r in running if r.snapshot == self.id and not r.holder_of]  # a holder serves, not uses
         clones += flatten.stale_clones(self.id, self._p, snaps, running)
         children = [s.id for s in snaps if flatten.needs(s, self.id)]
         return {"clones": clones, "children": children}
@@ -190,8 +189,7 @@ class Snapshot:
         if users["clones"] or users["children"]:
             raise SnapshotError(f"snapshot {self.id} is in use by clones {users['clones']} and child "
                                 f"snapshots {users['children']}; close or delete those first")
-        kmod.close_holders(self.id, self._p)
-        _remove_dir(self.path)
+        _remove_dir(self.path, self._p)
         snapview.remove(self.id, self._p)
         for needed in {self.parent, *self.meta.get("refs", [])} - {None}:
             release_snapshot(needed, self._p)  # an ephemeral ancestor this one kept alive goes now
@@ -293,7 +291,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             _make_images_dir(path / "criu")
             # a share clone's pages it never wrote stay in the parent's images (delta.dump_delta)
             delta_args, delta_env = delta.dump_delta(rec, parent.id if parent else None, p)
-            dump_env = dict(os.environ, **criu_env(p), **uffd.dump_env(p), **delta_env)
+            dump_env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p), **delta_env)
             ws._quiesce_agent()
             tries = dump_tries()
             for attempt in range(1, tries + 1):
@@ -314,7 +312,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
                 "image": rec.image, "image_path": rec.image_path, "layer": rec.layer,
                 "memory_mode": rec.memory_mode, "depth": parent.depth + 1 if parent else 0,
                 "userns_base": rec.userns_base,  # the id map its processes and files have
-                "limits": rec.extra.get("limits"),  # inherited by every clone
+                "limits": rec.limits.as_dict() if rec.limits else None,  # inherited by every clone
                 "ref_depth": _ref_depth(rec, parent),
                 "created": time.time(), "ephemeral": ephemeral, "tags": tags or {}, "timings": times,
             }
@@ -327,7 +325,7 @@ def take(ws: Workspace, *, tags: dict | None = None, ephemeral: bool = False) ->
             _write_meta(path, meta)
             dumping.done(path)
     except BaseException:
-        _remove_dir(path)
+        _remove_dir(path, p)
         raise
     return snap
 
@@ -430,20 +428,12 @@ def _ref_depth(rec: records.Record, parent: Snapshot | None) -> int:
     restored with pages mapped from its snapshot keeps those mappings when dumped again, so
     its snapshots need their ancestors (kept alive by the parent chain) until flattened past
     MAX_DEPTH."""
-    if parent is None or not memory.maps_images(memory.MemoryMode(rec.memory_mode)):
+    if parent is None or not memory.for_record(rec).maps_images:
         return 0
     return parent.meta.get("ref_depth", 0) + 1
 
 
 # restoring -----------------------------------------------------------------------------
-def _kmod_holder(snap: Snapshot, mode: memory.MemoryMode) -> records.Record | None:
-    """For a kmod restore: the snapshot's holder (SetupError without the module)."""
-    if mode is not memory.MemoryMode.KMOD:
-        return None
-    kmod.check_available(snap._p)
-    return kmod.holder_for(snap, snap._p)
-
-
 def _lay_files(snap: Snapshot, recs: list[records.Record]) -> None:
     """Each clone's file system: a btrfs snapshot of the snapshot's, with the disk quota.
 
@@ -453,7 +443,7 @@ def _lay_files(snap: Snapshot, recs: list[records.Record]) -> None:
     def lay(rec: records.Record) -> None:
         sub = Path(rec.subvolume)
         pool.snapshot_subvolume(snap.fs, sub)
-        pool.limit_subvolume(sub, Limits.parse(rec.extra.get("limits")).disk)  # charged for what it writes
+        pool.limit_subvolume(sub, Limits.parse(rec.limits).disk)  # charged for what it writes
 
     if len(recs) == 1:
         lay(recs[0])
@@ -463,9 +453,10 @@ def _lay_files(snap: Snapshot, recs: list[records.Record]) -> None:
             future.result()  # the first failure is raised once all are done: none left running
 
 
-def _start_clones(snap: Snapshot, recs: list[records.Record], mode: memory.MemoryMode) -> list[subprocess.Popen]:
+def _start_clones(snap: Snapshot, recs: list[records.Record],
+                  backend: memory.MemoryBackend) -> list[subprocess.Popen]:
     """Record, cgroup, files and ``criu restore`` of each clone, the clones side by side in
-    threads (not kmod clones: their holder is set up once, for clones already recorded).
+    threads (not clones of a backend that restores them one by one, after its helper).
 
     Done one clone after the other, this was most of a fan-out's wall time: each clone's
     record write, subvolume snapshot (a transaction commit) and uffd monitor start waits on
@@ -475,14 +466,13 @@ def _start_clones(snap: Snapshot, recs: list[records.Record], mode: memory.Memor
     first error is raised (the caller reclaims every clone)."""
     p = snap._p
     view = snapview.view_for(snap)  # once for all clones: what they may see at /.snap
-    if memory.uses_uffd(mode):
-        uffd.prepare_images(snap.id, snap.criu_dir, p)  # copied once, before the clones look for it
+    backend.prepare(snap, p)  # e.g. share's tmpfs copy of the images, made once
 
     def start(rec: records.Record) -> subprocess.Popen:
         records.save(rec, p)
-        Cgroup.create(rec.cgroup, Limits.parse(rec.extra["limits"]))
+        Cgroup.create(rec.cgroup, Limits.parse(rec.limits))
         _lay_files(snap, [rec])
-        return _start_restore(snap, rec, mode, p, None, view)
+        return _start_restore(snap, rec, p, None, view)
 
     with ThreadPoolExecutor(max_workers=min(8, len(recs)), thread_name_prefix="bunshin-clone") as ex:
         futures = [ex.submit(start, rec) for rec in recs]
@@ -496,37 +486,29 @@ def _start_clones(snap: Snapshot, recs: list[records.Record], mode: memory.Memor
     return [f.result() for f in futures]
 
 
-def _start_restore(snap: Snapshot, rec: records.Record, mode: memory.MemoryMode, p: Paths,
-                   holder: records.Record | None = None, view: Path | None = None) -> subprocess.Popen:
+def _start_restore(snap: Snapshot, rec: records.Record, p: Paths, helper: records.Record | None = None,
+                   view: Path | None = None) -> subprocess.Popen:
     """Start ``criu restore`` of a clone whose files are laid (:func:`_lay_files`); returns
-    at once. ``view`` is the snapshot's /.snap view (made here when the caller has none)."""
+    at once. ``view`` is the snapshot's /.snap view (made here when the caller has none);
+    ``helper`` what the clone's memory backend made for the fork (the kmod holder)."""
     sub = Path(rec.subvolume)
     logs = p.run / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     layer = rec.layer
-    env = dict(os.environ, **criu_env(p), **memory.restore_env(mode, f"/.snap/{snap.id}/criu"))
-    images = snap.criu_dir
-    if memory.uses_uffd(mode):  # anonymous memory from a tmpfs copy of the images, served by a monitor
-        uffd.start(rec, p)  # first: the record then marks the images as in use
-        images = uffd.prepare_images(snap.id, snap.criu_dir, p)
-        env.update(uffd.restore_env(rec))
-    ksm = memory.uses_ksm(mode)
-    if ksm:
-        memory.ksm_acquire(rec.id)
-    kmod_env, kmod_args = kmod.restore_setup(rec, holder, p)  # anonymous memory from the snapshot's holder
-    env.update(kmod_env)
+    plan = memory.for_record(rec).restore(snap, rec, p, helper)
+    env = dict(os.environ, **criu_env(p), **plan.env)
     lower = idmap.lower_image(rec.image_path, rec.userns_base)
     cmd = [
         f"{layer}/.bunshin/init", "restore", str(sub / "root"), f"{layer}:{lower}",
-        str(sub / "upper"), str(sub / "work"), "1" if ksm else "0",
+        str(sub / "upper"), str(sub / "work"), "1" if plan.ksm else "0",
         *Cgroup(rec.cgroup).procs_files, "--",
         # -W: CRIU writes its stats-restore file into the work dir, not into the immutable snapshot
-        str(p.criu), "restore", "-D", str(images), "-W", str(logs), "--restore-detached",
+        str(p.criu), "restore", "-D", str(plan.images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
         "--external", f"mnt[snap]:{view or snapview.view_for(snap)}", "--manage-cgroups=ignore",
         *(_device_mounts(dump=False) if rec.userns_base is not None else []),
-        "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *kmod_args,
+        "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *plan.args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -535,14 +517,7 @@ def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> No
     out, err = _outputs(proc)
     logs = p.run / "logs"
     log = logs / f"{rec.id}-restore.log"
-    report = kmod.report_path(rec, p)
-    if kmod.involved(rec) and (proc.returncode == 0 or report.exists()):
-        served = kmod.read_report(report)
-        if "error" in served:
-            raise ForkError(f"kmod restore of {rec.id} from snapshot {rec.snapshot}: sharing anonymous memory from "
-                            f"the holder failed (the clone was stopped before it ran and is removed): "
-                            f"{served['error']}; log: {log}")
-        rec.extra["kmod"] = served
+    memory.for_record(rec).restored(rec, proc.returncode == 0, p, log)  # may refuse the clone
     if proc.returncode != 0:
         raise ForkError(f"CRIU restore of {rec.id} from snapshot {rec.snapshot} failed "
                         f"({_exit_text(proc.returncode)}): {_last_error(log) or err.strip()}; log: {log}")
@@ -590,22 +565,20 @@ def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0)
     if snap.meta["image_path"] != rec.image_path:
         raise SnapshotError(f"snapshot {snap.id} is of image {snap.image}, workspace {ws.id} runs {rec.image}")
     verify(snap)
-    mode = memory.MemoryMode(rec.memory_mode)
-    holder = _kmod_holder(snap, mode)
+    helper = memory.backend(rec.memory_mode).helper(snap, p)  # before anything is made
     me = os.getpid()
     new_id = f"ws-{secrets.token_hex(4)}"
     new = records.Record(
         id=new_id, image=rec.image, image_path=rec.image_path, layer=snap.meta["layer"],
         subvolume=str(p.workspaces / new_id), cgroup=new_id, memory_mode=rec.memory_mode, snapshot=snap.id,
         userns_base=snap.meta.get("userns_base"), owner=me, owner_start=records.proc_start_time(me),
-        created=time.time(), **records.made_by_me(),
-        extra={k: v for k, v in rec.extra.items() if k == "limits"},
+        created=time.time(), **records.made_by_me(), limits=rec.limits,
     )
     try:
         records.save(new, p)
-        Cgroup.create(new.cgroup, Limits.parse(new.extra.get("limits")))
+        Cgroup.create(new.cgroup, Limits.parse(new.limits))
         _lay_files(snap, [new])
-        _finish_restore(new, _start_restore(snap, new, mode, p, holder), p)
+        _finish_restore(new, _start_restore(snap, new, p, helper), p)
         AgentClient(new.pid1, ws.id).wait_ready(ready_timeout)  # the client is dropped: nothing to close
     except BaseException:
         reclaim(new, p)
@@ -613,10 +586,9 @@ def restore_in_place(ws: Workspace, snap: Snapshot, ready_timeout: float = 30.0)
     _swap_in(ws, new)
 
 
-#: record fields that belong to the running processes and files (swapped by a rollback)
-_RUN_FIELDS = ("pid1", "pid1_start", "subvolume", "cgroup", "layer", "snapshot", "userns_base")
-#: ``extra`` keys that belong to the running processes (their uffd monitor, kmod sharing)
-_RUN_EXTRA = ("uffd", "kmod")
+#: record fields that belong to the running processes and files (swapped by a rollback),
+#: their uffd monitor and kmod sharing included
+_RUN_FIELDS = ("pid1", "pid1_start", "subvolume", "cgroup", "layer", "snapshot", "userns_base", "uffd", "kmod")
 
 
 def _swap_in(ws: Workspace, new: records.Record) -> None:
@@ -624,18 +596,14 @@ def _swap_in(ws: Workspace, new: records.Record) -> None:
     old ones (then reclaimed). The temporary record is rewritten first: whatever instant a
     crash comes, every process, subvolume and cgroup is named by some record or swept by gc."""
     rec, p = ws._rec, ws._p
-    old = records.Record(**{**vars(new), **{f: getattr(rec, f) for f in _RUN_FIELDS},
-                            "extra": {k: v for k, v in rec.extra.items() if k in _RUN_EXTRA}})
+    old = dataclasses.replace(new, **{f: getattr(rec, f) for f in _RUN_FIELDS})
     ws.disconnect()
     records.save(old, p)
     for f in _RUN_FIELDS:
         setattr(rec, f, getattr(new, f))
-    rec.extra = {**{k: v for k, v in rec.extra.items() if k not in _RUN_EXTRA},
-                 **{k: v for k, v in new.extra.items() if k in _RUN_EXTRA}}
     records.save(rec, p)
     ws._cgroup = Cgroup(rec.cgroup)
-    if memory.uses_ksm(memory.MemoryMode(rec.memory_mode)):
-        memory.ksm_acquire(rec.id)  # the restore registered the temporary id, released with `old`
+    memory.for_record(rec).adopted(rec)  # e.g. ksmd's user: the restore registered the temporary id
     if old.pid1 is not None and old.running():
         with contextlib.suppress(ProcessLookupError):
             os.kill(old.pid1, signal.SIGKILL)  # at once: the replaced processes run no further
@@ -682,8 +650,9 @@ def _reclaim_replaced(rec: records.Record, p: Paths) -> None:
         log.exception("reclaiming %s (replaced by a rollback) failed; `bunshin gc` will retry", rec.id)
 
 
-def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
-    """Kill every process of a workspace and wait until its cgroup is empty."""
+def stop_processes(rec: records.Record, timeout: float = 10.0, p: Paths | None = None) -> None:
+    """Kill every process of a workspace and wait until its cgroup is empty; then its memory
+    backend stops what served them (a uffd monitor)."""
     from bunshin_gym.workspace.workspace import _wait_gone
 
     cg = Cgroup(rec.cgroup)
@@ -706,7 +675,7 @@ def stop_processes(rec: records.Record, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise ForkError(f"workspace {rec.id}: processes {cg.pids()} survive SIGKILL")
         time.sleep(0.001)
-    uffd.stop(rec)  # only once nothing it served runs
+    memory.for_record(rec).on_stop(rec, p or paths())  # only once nothing it served runs
 
 
 def release_snapshot(snap_id: str | None, p: Paths) -> None:
@@ -718,8 +687,7 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
     except SnapshotError:
         return
     if snap.meta.get("ephemeral") and not any(snap.users().values()):
-        kmod.close_holders(snap.id, p)
-        _remove_dir(snap.path)
+        _remove_dir(snap.path, p)
         snapview.remove(snap.id, p)  # as delete() does: else every ws.fork left its view behind
         for needed in {snap.parent, *snap.meta.get("refs", [])} - {None}:
             release_snapshot(needed, p)
@@ -766,8 +734,12 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 
 
-def _remove_dir(path: Path) -> None:
-    uffd.release_images(snap_id=path.name, force=True)
+def _remove_dir(path: Path, p: Paths) -> None:
+    """Delete a snapshot's directory, once every memory backend dropped what it keeps for it
+    (kmod holders, share's tmpfs copy of the images)."""
+    from bunshin_gym.workspace.workspace import reclaim
+
+    memory.registry.snapshot_removed(path.name, p, reclaim)
     if (path / "fs").exists():
         pool.delete_subvolume(path / "fs")
     shutil.rmtree(path, ignore_errors=True)

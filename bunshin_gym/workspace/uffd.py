@@ -2,7 +2,8 @@
 
 This is what serves a clone's anonymous memory in the ``share`` memory mode when the kernel
 has userfaultfd minor faults on shmem (else ``share`` falls back to KSM, see
-:func:`bunshin_gym.workspace.memory.share_anon_mechanism`):
+:func:`bunshin_gym.workspace.memory.share_anon_mechanism`; the ``share`` backend,
+:mod:`bunshin_gym.workspace.memory.share`, drives it):
 
 - the snapshot's CRIU images are copied once onto a dedicated tmpfs (:func:`images_root`),
   the page images sparse and larger than their data; ``criu restore -D`` reads that copy;
@@ -192,7 +193,7 @@ def _uffd_users(p: Paths) -> set[str]:
     ancestors their copies link to (their pages are mapped too)."""
     users = set()
     for r in records.all_records(p):
-        if "uffd" in r.extra and r.snapshot and (r.pid1 is None or r.running()):
+        if r.uffd is not None and r.snapshot and (r.pid1 is None or r.running()):
             users.add(r.snapshot)
     return with_ancestors(p.run / "uffd-images", users)
 
@@ -221,14 +222,14 @@ def release_images(p: Paths | None = None, snap_id: str | None = None, *, force:
 def _files(rec: records.Record, p: Paths) -> dict[str, Path]:
     # named after the record the monitor was started for: a rollback moves a monitor (with
     # its processes) from a temporary record to the workspace's, and the old one the other way
-    stem = rec.extra.get("uffd", {}).get("stem", rec.id)
+    stem = (rec.uffd.stem if rec.uffd is not None else None) or rec.id
     d = p.run / "uffd"
     return {"sock": d / f"{stem}.sock", "state": d / f"{stem}.json", "report": d / f"{stem}.report",
             "log": d / f"{stem}.log"}
 
 
-def start(rec: records.Record, p: Paths | None = None) -> dict:
-    """Start the monitor of one clone (before its restore); recorded in ``rec.extra["uffd"]``."""
+def start(rec: records.Record, p: Paths | None = None) -> records.UffdMonitor:
+    """Start the monitor of one clone (before its restore); recorded in ``rec.uffd``."""
     p = p or paths()
     f = _files(rec, p)
     f["sock"].parent.mkdir(parents=True, exist_ok=True)
@@ -247,12 +248,12 @@ def start(rec: records.Record, p: Paths | None = None) -> dict:
         proc.wait(timeout=5)
         raise ForkError(f"{rec.id}: the uffd monitor did not start (exit {proc.returncode}); log: {f['log']}")
     guard, worker = int(line[1]), int(line[2])
-    info = {"guard": guard, "guard_start": records.proc_start_time(guard), "worker": worker,
-            "worker_start": records.proc_start_time(worker), "sock": str(f["sock"]), "stem": rec.id}
+    info = records.UffdMonitor(guard=guard, guard_start=records.proc_start_time(guard), worker=worker,
+                               worker_start=records.proc_start_time(worker), sock=str(f["sock"]), stem=rec.id)
     # the guard is our child only until we return: nobody waits for it later, so the host's
     # init (or subreaper) must reap it: detach it from this process's zombies
     _detach(proc)
-    rec.extra["uffd"] = info
+    rec.uffd = info
     records.save(rec, p)
     return info
 
@@ -266,7 +267,7 @@ def _detach(proc: subprocess.Popen) -> None:
 
 def restore_env(rec: records.Record) -> dict[str, str]:
     """Environment for ``criu restore`` of a clone served by its monitor."""
-    return {"CRIU_UFFD_SOCK": rec.extra["uffd"]["sock"]}
+    return {"CRIU_UFFD_SOCK": rec.uffd.sock}
 
 
 def dump_env(p: Paths | None = None) -> dict[str, str]:
@@ -276,20 +277,19 @@ def dump_env(p: Paths | None = None) -> dict[str, str]:
 
 
 def monitor_alive(rec: records.Record) -> bool:
-    u = rec.extra.get("uffd")
-    return bool(u) and records.process_alive(u["guard"], u["guard_start"]) and \
-        records.process_alive(u["worker"], u["worker_start"])
+    u = rec.uffd
+    return u is not None and records.process_alive(u.guard, u.guard_start) and \
+        records.process_alive(u.worker, u.worker_start)
 
 
 def stop(rec: records.Record, p: Paths | None = None, timeout: float = 5.0) -> None:
     """Stop a clone's monitor (after its processes are gone) and remove its files."""
-    u = rec.extra.get("uffd")
-    if not u:
+    u = rec.uffd
+    if u is None:
         return
     p = p or paths()
-    for key, sig in (("guard", signal.SIGTERM), ("worker", signal.SIGKILL)):
-        pid, start_t = u[key], u[f"{key}_start"]
-        if key == "worker":  # the guard stops its worker; only a straggler gets SIGKILL
+    for pid, start_t, sig in ((u.guard, u.guard_start, signal.SIGTERM), (u.worker, u.worker_start, signal.SIGKILL)):
+        if sig is signal.SIGKILL:  # the guard stops its worker; only a straggler gets SIGKILL
             _wait_dead(pid, start_t, timeout)
         if records.process_alive(pid, start_t):
             with contextlib.suppress(ProcessLookupError):
@@ -297,7 +297,7 @@ def stop(rec: records.Record, p: Paths | None = None, timeout: float = 5.0) -> N
         _wait_dead(pid, start_t, timeout)
     for f in _files(rec, p).values():
         f.unlink(missing_ok=True)
-    del rec.extra["uffd"]
+    rec.uffd = None
     if records.load(rec.id, p) is not None:
         records.save(rec, p)
 
@@ -311,7 +311,7 @@ def _wait_dead(pid: int, start_t: int | None, timeout: float) -> None:
 # health ----------------------------------------------------------------------------------
 def failure(rec: records.Record, p: Paths | None = None) -> str | None:
     """Why this clone's monitor is gone (its report), or None while it serves the clone."""
-    if "uffd" not in rec.extra:
+    if rec.uffd is None:
         return None
     p = p or paths()
     rep = _files(rec, p)["report"]
@@ -322,8 +322,8 @@ def failure(rec: records.Record, p: Paths | None = None) -> str | None:
         except (OSError, ValueError, KeyError):
             return f"{rec.id}: the uffd monitor failed; report: {rep}"
     if rec.pid1 is not None and not monitor_alive(rec):
-        return f"{rec.id}: the uffd monitor (pids {rec.extra['uffd']['guard']}, " \
-               f"{rec.extra['uffd']['worker']}) is gone; the clone was stopped"
+        return f"{rec.id}: the uffd monitor (pids {rec.uffd.guard}, {rec.uffd.worker}) is gone; " \
+               "the clone was stopped"
     return None
 
 
@@ -373,9 +373,9 @@ def cpu_seconds(ws_ids: list[str] | None = None, p: Paths | None = None) -> floa
     p = p or paths()
     total = 0.0
     for rec in records.all_records(p):
-        u = rec.extra.get("uffd")
-        if u and (ws_ids is None or rec.id in ws_ids):
-            total += _cpu(u["guard"], u["guard_start"]) + _cpu(u["worker"], u["worker_start"])
+        u = rec.uffd
+        if u is not None and (ws_ids is None or rec.id in ws_ids):
+            total += _cpu(u.guard, u.guard_start) + _cpu(u.worker, u.worker_start)
     return total
 
 
@@ -384,7 +384,7 @@ def stats(ws_id: str, p: Paths | None = None) -> dict:
     errors; rewritten every second)."""
     p = p or paths()
     rec = records.load(ws_id, p)
-    if rec is None or "uffd" not in rec.extra:
+    if rec is None or rec.uffd is None:
         return {}
     try:
         return json.loads(_files(rec, p)["state"].read_text())
@@ -395,7 +395,7 @@ def stats(ws_id: str, p: Paths | None = None) -> dict:
 def _stems(recs: list[records.Record]) -> set[str]:
     """Names monitor files of live records may have: their ids, and the stems of monitors a
     rollback moved to them (see :func:`_files`)."""
-    return {r.id for r in recs} | {r.extra["uffd"]["stem"] for r in recs if "stem" in r.extra.get("uffd", {})}
+    return {r.id for r in recs} | {r.uffd.stem for r in recs if r.uffd is not None and r.uffd.stem}
 
 
 def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
@@ -407,7 +407,7 @@ def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
     files = sorted(f.name for f in d.iterdir() if f.name.split(".")[0] not in ids
                    and not f.name.endswith(".log")) if d.exists() else []
     root = p.run / "uffd-images"
-    used = with_ancestors(root, {r.snapshot for r in recs if "uffd" in r.extra})
+    used = with_ancestors(root, {r.snapshot for r in recs if r.uffd is not None})
     imgs = sorted(x.name for x in root.iterdir() if x.is_dir() and x.name not in used) \
         if os.path.ismount(root) else []
     return {"files": files, "images": imgs}

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import idmap, kmod, pool, records, snapshot, snapview, uffd
+from bunshin_gym.workspace import idmap, memory, pool, records, snapshot, snapview
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
-from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode, ksm_release
+from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
@@ -104,7 +104,7 @@ class Workspace:
             id=ws_id, image=image, image_path=str(image_path), subvolume=str(sub), cgroup=ws_id,
             owner=me, owner_start=records.proc_start_time(me),
             created=time.time(), layer=str(layer), memory_mode=mode.value,
-            extra={"limits": limits.as_dict()},
+            limits=limits,
         )
         ids = idmap.current()
         rec.userns_base = ids.base if ids else None
@@ -218,7 +218,7 @@ class Workspace:
     @property
     def limits(self) -> Limits:
         """The memory, pids and disk limits this workspace was started (or restored) with."""
-        return Limits.parse(self._rec.extra.get("limits"))
+        return Limits.parse(self._rec.limits)
 
     def limit_state(self, disk: bool = True) -> dict[str, int]:
         """Counters to tell whether an action hit a limit (compare two readings with
@@ -252,7 +252,7 @@ class Workspace:
         stopped at once: it must not read stale memory). Envs call it before every step, since
         some steps reach the workspace through their own channels (X, the browser driver)."""
         self._check_open()
-        if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
+        if why := memory.for_record(self._rec).health(self._rec, self._p):  # e.g. its uffd monitor died
             raise WorkspaceClosed(why)
         if self._rec.pid1 is not None and not self._rec.running():
             raise WorkspaceClosed(self._died())
@@ -266,7 +266,7 @@ class Workspace:
         """After a request failed to reach the agent: WorkspaceClosed if the reason is that the
         workspace died (killed mid-request, or its uffd monitor gone), else None. PID 1 dies a
         moment after the agent when the whole workspace is killed: wait for it briefly."""
-        if "uffd" in self._rec.extra and (why := uffd.check(self._rec, self._p)):
+        if why := memory.for_record(self._rec).health(self._rec, self._p):
             return WorkspaceClosed(f"{why} (during {op}: {error})")
         if self._rec.pid1 is None or not _wait_gone(self._rec.pid1, 0.2) or self._rec.running():
             return None
@@ -514,14 +514,11 @@ def reclaim(rec: records.Record, p: Paths | None = None) -> None:
     """
     p = p or paths()
     cg = Cgroup(rec.cgroup)
-    snapshot.stop_processes(rec)
+    snapshot.stop_processes(rec, p=p)  # its memory backend's on_stop last (a uffd monitor)
     if cg.exists():
         cg.remove()
     pool.delete_subvolume(Path(rec.subvolume))
-    if rec.snapshot:  # a no-op unless it was a KSM user (which BUNSHIN_SHARE_KSM at restore decided)
-        ksm_release(rec.id)
     records.remove(rec.id, p)
-    if rec.snapshot and rec.memory_mode == MemoryMode.KMOD and not kmod.is_holder(rec):
-        kmod.close_holders(rec.snapshot, p, unless_used=True)
+    memory.for_record(rec).on_reclaim(rec, p, reclaim)  # ksmd's user, the kmod holder of its snapshot
     snapshot.release_snapshot(rec.snapshot, p)
-    uffd.release_images(p, rec.snapshot)
+    memory.registry.release_unused(p, rec.snapshot)  # share's image copy of the snapshot, if unused now

@@ -491,10 +491,10 @@ def test_a_clone_whose_monitor_died_entirely_is_stopped_at_its_next_use():
         _prepare(ws)
         snap = ws.snapshot()
         (clone,) = snap.fork(1)
-        u = dict(clone._rec.extra["uffd"])
+        u = clone._rec.uffd
         pids = clone.pids()
-        os.kill(u["guard"], signal.SIGKILL)
-        os.kill(u["worker"], signal.SIGKILL)
+        os.kill(u.guard, signal.SIGKILL)
+        os.kill(u.worker, signal.SIGKILL)
         _wait_for(lambda: not uffd.monitor_alive(clone._rec), timeout=10)
         with pytest.raises(WorkspaceClosed, match="uffd monitor"):
             clone.check()
@@ -690,10 +690,10 @@ def test_the_next_step_of_a_desktop_or_web_env_whose_monitor_died_reports_it(env
         env.reset(options={"task": task})
         env.unwrapped.rollback()  # now a share-mode clone of the reset snapshot, served by its monitor
         ws = env.unwrapped.workspace
-        u = dict(ws._rec.extra["uffd"])
+        u = ws._rec.uffd
         pids = ws.pids()
-        os.kill(u["guard"], signal.SIGKILL)
-        os.kill(u["worker"], signal.SIGKILL)
+        os.kill(u.guard, signal.SIGKILL)
+        os.kill(u.worker, signal.SIGKILL)
         _wait_for(lambda: not uffd.monitor_alive(ws._rec), timeout=10)
         obs, reward, terminated, truncated, info = env.step(action)
         assert info.get("workspace_failed") and "uffd monitor" in info["error"], info
@@ -742,7 +742,7 @@ def test_a_share_clone_whose_parasite_page_was_dropped_snapshots_and_runs_on():
         clone.exec(["kill", "-USR1", clone.exec(["pidof", "dropcode"]).text.split()[0]])
         host.wait_file(clone, "/tmp/dropcode.dropped")
         assert not _page_present(pid, area), "the fault: the parasite's page is not present"
-        assert "uffd" in clone._rec.extra  # served by a monitor: the case ptrace cannot fault in
+        assert clone._rec.uffd is not None  # served by a monitor: the case ptrace cannot fault in
         before = _procs(clone)
 
         snaps.append(clone.snapshot())  # failed here before, on every try

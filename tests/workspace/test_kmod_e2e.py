@@ -72,11 +72,11 @@ def test_kmod_clones_map_the_holders_pages_copy_on_write(real_module):
         assert Cgroup(holder.cgroup).is_frozen()
         holder_heap = _pid_running(holder, "heap.py")
         for c in clones:
-            served = c._rec.extra["kmod"]
+            served = c._rec.kmod
             print(f"\n{c.id}: {served}")
-            assert served["mechanism"] == "module" and served["processes"] >= 3
-            assert served["pages_shared"] * PAGE > MB * 2**20  # the heap was shared, not copied
-            assert served["pages_copied"] * PAGE < 8 * 2**20
+            assert served.mechanism == "module" and served.processes >= 3
+            assert served.pages_shared * PAGE > MB * 2**20  # the heap was shared, not copied
+            assert served.pages_copied * PAGE < 8 * 2**20
             shared = _shared_mb(holder_heap, _pid_running(c._rec, "heap.py"))
             print(f"{c.id}: heap.py maps {shared:.1f} MiB of anonymous memory with the holder's frames")
             assert shared > MB
@@ -99,7 +99,7 @@ def test_kmod_clones_map_the_holders_pages_copy_on_write(real_module):
         more = snap.fork(1)
         clones += more
         assert [r.id for r in kmod.holders_of(snap.id)] == [holder.id]
-        assert more[0]._rec.extra["kmod"]["mechanism"] == "module"
+        assert more[0]._rec.kmod.mechanism == "module"
         assert heap(more[0], PORT, "sha") == want and heap(more[0], PORT, "get") == "1"
         for c in clones:
             c.close()
@@ -121,13 +121,13 @@ def test_kmod_rollback_and_ephemeral_fork_with_the_module(real_module):
         sh(ws, "echo one > /root/f")
         [c] = ws.fork(1)
         snap_id = c.base_snapshot
-        assert c._rec.extra["kmod"]["mechanism"] == "module"
+        assert c._rec.kmod.mechanism == "module"
         sh(c, "echo two > /root/f")
         heap(c, PORT, "mutate", "x")
         heap(c, PORT, "incr")
         c.rollback()
-        assert c._rec.extra["kmod"]["mechanism"] == "module"
-        assert c._rec.extra["kmod"]["pages_shared"] * PAGE > 8 * 2**20
+        assert c._rec.kmod.mechanism == "module"
+        assert c._rec.kmod.pages_shared * PAGE > 8 * 2**20
         assert sh(c, "cat /root/f").strip() == "one"
         assert heap(c, PORT, "sha") == want and heap(c, PORT, "get") == "0"
         c.close()
@@ -152,9 +152,9 @@ def test_a_snapshot_of_a_kmod_clone_forks_in_kmod_mode(real_module):
         snaps.append(a.snapshot())
         [b] = snaps[1].fork(1)
         clones.append(b)
-        served = b._rec.extra["kmod"]
+        served = b._rec.kmod
         print(f"\nsecond generation {b.id}: {served}")
-        assert served["mechanism"] == "module" and served["pages_shared"] * PAGE > 8 * 2**20
+        assert served.mechanism == "module" and served.pages_shared * PAGE > 8 * 2**20
         assert heap(b, PORT, "sha") == host.heap_expected(8, "gen", "a1") and heap(b, PORT, "get") == "1"
         assert len(kmod.holders_of(snaps[0].id)) == 1 and len(kmod.holders_of(snaps[1].id)) == 1
         heap(b, PORT, "mutate", "b1")

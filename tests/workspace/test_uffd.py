@@ -116,7 +116,7 @@ def test_semantics_in_clone_and_its_forked_children():
         snap = ws.snapshot()
         clones = snap.fork(2)
         for c in clones:
-            assert "uffd" in c._rec.extra
+            assert c._rec.uffd is not None
             res = _results(c, pid)
             print(f"\n{c.id}: {res}")
             # the monitor writes its counters a moment after the events: wait for all of them
@@ -287,10 +287,10 @@ def test_killing_the_monitor_stops_the_clone_with_a_report(victim):
         pid = _start_sem(ws, 8)
         snap = ws.snapshot()
         (clone,) = snap.fork(1)
-        u = dict(clone._rec.extra["uffd"])
+        u = clone._rec.uffd
         pids = clone.pids()
         assert pids
-        os.kill(u[victim], signal.SIGKILL)
+        os.kill(getattr(u, victim), signal.SIGKILL)
         deadline = time.monotonic() + 10
         while any(records.process_alive(q, records.proc_start_time(q)) for q in pids):
             assert time.monotonic() < deadline, "the clone kept running after its monitor died"
@@ -322,7 +322,7 @@ def _cycles(n: int) -> None:
         for i in range(n):
             snap = ws.snapshot()
             (c,) = snap.fork(1)
-            u = c._rec.extra["uffd"]
+            u = c._rec.uffd
             if i == 0:
                 # a restored process forks 20 children that exit: the monitor follows and forgets them
                 _sh(c, f"kill -USR2 {pid}")
@@ -337,11 +337,11 @@ def _cycles(n: int) -> None:
                 assert st["fork"] >= 20 and st["processes"] <= 4, "monitor keeps state of exited processes"
                 # no restored process keeps a userfaultfd; the monitor holds one per process, the guard a copy
                 assert _uffds(c.pids()) == 0
-                assert _uffds([u["worker"]]) == st["processes"] and _uffds([u["guard"]]) == st["processes"]
+                assert _uffds([u.worker]) == st["processes"] and _uffds([u.guard]) == st["processes"]
             c.close()
             snap.delete()
-            assert not records.process_alive(u["guard"], u["guard_start"])
-            assert not records.process_alive(u["worker"], u["worker_start"])
+            assert not records.process_alive(u.guard, u.guard_start)
+            assert not records.process_alive(u.worker, u.worker_start)
         left = uffd.leftovers(p)
         assert left == {"files": [], "images": []}, left
         assert len(os.listdir("/proc/self/fd")) <= base_fds
@@ -464,7 +464,7 @@ def test_share_ksm_merges_the_pages_clones_write_and_keeps_semantics(monkeypatch
         want = host.heap_expected(32, "ksm", "same")
         heaps = []
         for c in clones:
-            assert "uffd" in c._rec.extra
+            assert c._rec.uffd is not None
             assert host.heap(c, 7001, "mutate", "same") == want  # the same 1 MiB written in both
             [hp] = [p for p in c.pids() if "heap.py" in Path(f"/proc/{p}/cmdline").read_text()]
             assert "ksm_merge_any: yes" in Path(f"/proc/{hp}/ksm_stat").read_text()
