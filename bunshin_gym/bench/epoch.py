@@ -22,8 +22,9 @@ generation would take that long. The trajectories are saved with the results, an
 
 Memory is what the run's own workspaces use, sampled over time: the sum of their cgroups'
 charge, the tmpfs page images their share clones map, their userfaultfd monitors, and (in
-full mode) the snapshot bytes the prefix cache keeps resident (its residency budget's
-count); never host-wide.
+full mode) the snapshot bytes the prefix cache keeps resident (its residency's count, under
+a budget sized from the run unless ``--cache-budget-mb`` fixes it); never host-wide. After
+the epochs, restores of a cached snapshot are timed hot and cold (:func:`measure_restores`).
 
 Sizes: ``--quick`` (2 tasks, G=2, 2 epochs) is a smoke test; the default (4 tasks, G=4,
 3 epochs) fits a small shared machine in about half an hour; the paper's size is
@@ -52,11 +53,8 @@ from typing import Any
 
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.bench.rollout import MemorySampler, replay_group
-from bunshin_gym.config import paths
 from bunshin_gym.rollout import PrefixCache, Speculation, TrajectoryLog
-from bunshin_gym.workspace import records, uffd
-from bunshin_gym.workspace.cgroups import Cgroup
-from bunshin_gym.workspace.memstat import rollup
+from bunshin_gym.rollout.runmemory import workspace_memory
 
 log = logging.getLogger(__name__)
 
@@ -222,37 +220,6 @@ def make_trajectories(env_id: str, tasks: list[str], *, group: int, epochs: int,
 
 
 # memory of the run's own workspaces ---------------------------------------------------
-def _dir_bytes(d: Path) -> int:
-    total = 0
-    try:
-        for f in d.iterdir():
-            if f.is_file() and not f.is_symlink():
-                total += f.stat().st_blocks * 512  # allocated, not apparent (images have headroom)
-    except OSError:
-        pass
-    return total
-
-
-def workspace_memory(owner: int | None = None) -> dict[str, int]:
-    """Bytes used by the workspaces this process (or ``owner``) runs: their cgroups' charge,
-    the tmpfs page images their share clones map, and their uffd monitors' resident memory."""
-    owner = os.getpid() if owner is None else owner
-    mine = [r for r in records.all_records() if r.owner == owner and r.pid1]
-    cgroups = 0
-    for r in mine:
-        try:
-            cgroups += Cgroup(r.cgroup).memory_usage()
-        except (OSError, ValueError):
-            pass  # closed meanwhile
-    root = paths().run / "uffd-images"
-    used = uffd.with_ancestors(root, {r.snapshot for r in mine if "uffd" in r.extra and r.snapshot})
-    images = sum(_dir_bytes(root / n) for n in used)
-    monitors = [pid for r in mine if "uffd" in r.extra for pid in (r.extra["uffd"].get("guard"),
-                                                                   r.extra["uffd"].get("worker")) if pid]
-    return {"cgroups": cgroups, "page_images": images, "monitors": rollup(monitors)["Rss"],
-            "workspaces": len(mine)}
-
-
 class WorkspaceMemorySampler(MemorySampler):
     """Samples :func:`workspace_memory` (plus ``extra()``: the prefix cache's resident
     snapshots) in absolute bytes; ``parts`` keeps each sample's components."""
@@ -290,6 +257,63 @@ def memory_figures(trace: list[tuple[float, int]]) -> dict:
     return {"peak_mb": round(peak / 2**20, 1), "integral_gb_s": round(integral / 2**30, 2)}
 
 
+# hot and cold restores ---------------------------------------------------------------
+def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 3,
+                     env_kwargs: dict | None = None) -> dict:
+    """Seconds a restore of a cached snapshot takes with its images in memory (hot) and
+    dropped to disk (cold: :func:`~bunshin_gym.rollout.residency.drop_snapshot`, as the
+    prefix cache evicts), restored as the cache restores (the env rolled back to it, a share
+    workspace). Two sibling snapshots, one action each after the task's start, are restored
+    in turn, so the one restored is never the one whose tmpfs copy the live workspace maps.
+
+    The pool is a loop device over a file without direct I/O, so a cold read comes back
+    through the host's cache of that file when it still holds it, not from the disk itself:
+    on a real disk a cold restore costs more than here."""
+    import gymnasium as gym
+
+    from bunshin_gym.rollout.residency import drop_snapshot, warm_snapshot
+    from bunshin_gym.workspace import uffd
+
+    if len(actions) < 2:
+        raise ValueError("measure_restores needs two actions (one per sibling snapshot)")
+    env = gym.make(env_id, memory_mode="share", **(env_kwargs or {}))
+    snaps, sizes = [], []
+    times: dict[str, list[float]] = {"hot": [], "cold": []}
+    try:
+        base = env.unwrapped
+        env.reset(options={"task": task})
+        for action in actions[:2]:
+            base.rollback()  # to the task's start: the two snapshots are siblings
+            env.step(action)
+            snaps.append(base.snapshot(keep=True))
+        sizes = [round(snap.workspace.size() / 2**20, 1) for snap in snaps]
+        for _ in range(rounds):
+            for heat in ("hot", "cold"):
+                for snap in snaps:
+                    deadline = time.monotonic() + 20  # the last restore's predecessor is reclaimed meanwhile
+                    while uffd.has_image_copy(snap.id) and time.monotonic() < deadline:
+                        uffd.release_images(snap_id=snap.id)
+                        time.sleep(0.1)
+                    if heat == "hot":
+                        warm_snapshot(snap.id)
+                    else:
+                        drop_snapshot(snap.id)
+                    t0 = time.perf_counter()
+                    base.rollback(snap)
+                    base.workspace  # noqa: B018 - as the cache's restore: the workspace runs
+                    times[heat].append(round(time.perf_counter() - t0, 3))
+    finally:
+        env.close()
+        for snap in snaps:
+            try:
+                snap.workspace.delete()
+            except Exception as e:  # noqa: BLE001 - a leftover snapshot is reported, the figures stand
+                log.warning("bench epoch: deleting restore-measurement snapshot %s failed: %s", snap.id, e)
+    out: dict = {k: {"times_s": v, "mean_s": round(sum(v) / len(v), 3) if v else None} for k, v in times.items()}
+    out.update(task=task, rounds=rounds, images_mb=sizes, snapshots=[snap.id for snap in snaps])
+    return out
+
+
 TARGETS = [
     ("share-base peak memory <= 0.6x copy-base (paper 0.70x)", "memory"),
     ("copy-base epoch >= 1.3x longer than share-base (paper 1.3x)", "epoch_time"),
@@ -297,6 +321,7 @@ TARGETS = [
     ("full peak memory within 5% of share-base", "memory"),
     (">= 65% of tool calls served by cache or speculation by epoch 3 (full; paper 65%)", "hit_rate"),
     ("rewards identical across modes, every epoch", "rewards"),
+    ("a restore from a hot snapshot is cheaper than from disk (cold)", "restores"),
 ]
 
 
@@ -329,6 +354,10 @@ def evaluate_targets(res: dict) -> list[dict]:
     same = all(a["rewards"] == b["rewards"] for v in m.values() for a, b in zip(v["epochs"], first["epochs"],
                                                                                  strict=True))
     add(5, "identical" if same else "DIFFER", same)
+    r = res.get("restores")
+    if r and r["hot"]["mean_s"] and r["cold"]["mean_s"]:
+        hot, cold = r["hot"]["mean_s"], r["cold"]["mean_s"]
+        add(6, f"hot {hot} s, cold {cold} s ({cold / hot:.2f}x)", hot < cold)
     return out
 
 
@@ -393,6 +422,7 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
         "memory_trace": [(t, round(m / 2**20, 1)) for t, m in trace],
         "memory_parts_at_peak": _parts_at_peak(mem),
         "cache": state.cache.stats.as_dict() if state.cache else None,
+        "cache_budget_mb": round(state.cache.residency.budget / 2**20, 1) if state.cache else None,
         "speculation": spec.stats.as_dict() if spec else None,
     }
 
@@ -420,9 +450,11 @@ PAPER = Size(tasks=8, group=8, epochs=3)
 def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str] | None = None,
         size: Size = DEFAULT, seed: int = 7, modes: tuple[str, ...] = MODES, think: ThinkTime | None = None,
         parallel: int = 0, min_speculate_s: float = 0.8, cache_budget_mb: int | None = None,
-        replay: str | None = None, figures: str | None = None) -> dict:
+        replay: str | None = None, figures: str | None = None, restore_rounds: int = 3) -> dict:
     """Run the benchmark; write the JSON, the printed table (``.txt``) and a PNG per figure
-    next to ``json_path`` (or under ``figures``, a path prefix)."""
+    next to ``json_path`` (or under ``figures``, a path prefix). ``restore_rounds`` rounds of
+    hot and cold restores are measured after the epochs (:func:`measure_restores`; 0: none).
+    ``cache_budget_mb`` None leaves the prefix cache's budget sized from the run."""
     if env_id not in TASKS:
         raise ValueError(f"bench epoch: unknown env {env_id!r} (one of {OSWORLD}, {WEBARENA})")
     bad = [m for m in modes if m not in MODES]
@@ -465,6 +497,13 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
                       f"{e['served']['speculation']}, executed {e['served']['executed']}), peak "
                       f"{e['memory']['peak_mb']} MB, {e['memory']['integral_gb_s']} GB*s, load {e['load_average_1m']}",
                       flush=True)
+        if restore_rounds:
+            first = trajectories[0]
+            kwargs = dict(ENV_KWARGS[env_id], **({"action_space": first["kind"]} if env_id == OSWORLD else {}))
+            res["restores"] = measure_restores(env_id, first["task"], first["members"][0]["actions"],
+                                               rounds=restore_rounds, env_kwargs=kwargs)
+            print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): hot "
+                  f"{res['restores']['hot']['mean_s']} s, cold {res['restores']['cold']['mean_s']} s", flush=True)
     finally:
         for st in states.values():
             if st.cache is not None:

@@ -25,7 +25,8 @@ workspace is no longer the state the recorded results describe.
 
 A hit is valid only for the same task (id and definition), the same image and the same
 full prefix. Snapshots stay on disk in the snapshot store; hot ones are kept in memory
-under a byte budget by an ancestor-aware LRU (:class:`Residency`). The tree persists in
+under a byte budget by an ancestor-aware LRU (:class:`Residency`), by default a small share
+of the run's own memory, so that the cache adds little to it. The tree persists in
 ``cache_dir`` across epochs and processes.
 
 Example:
@@ -206,12 +207,14 @@ class PrefixCache(Counted):
         cache_dir: where the tree persists (snapshots live in the snapshot store).
         snapshot_every: snapshot the workspace after every k-th call depth (sparse snapshots;
             the calls in between are replayed on a miss).
-        memory_budget: bytes of snapshot images kept resident in memory (ancestor-aware LRU).
+        memory_budget: bytes of snapshot images kept resident in memory (ancestor-aware LRU);
+            None (the default) sizes it from the run: a small share of the peak memory of the
+            workspaces this process runs (:class:`Residency`), so the cache adds about that much.
         overlap: run replays and snapshots in the background, during the policy's think time.
         log: a trajectory log to record every call in.
     """
 
-    def __init__(self, cache_dir: str | Path, *, snapshot_every: int = 2, memory_budget: int = 2 << 30,
+    def __init__(self, cache_dir: str | Path, *, snapshot_every: int = 2, memory_budget: int | None = None,
                  overlap: bool = True, log: TrajectoryLog | None = None):
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")

@@ -1,32 +1,95 @@
 """Which cached snapshots stay in memory: an ancestor-aware LRU under a byte budget.
 
-A snapshot's images are "resident" while they stay in the page cache, and go "to disk"
-when evicted (written back and dropped with ``posix_fadvise(DONTNEED)``); restoring an
-evicted snapshot reads it back. A child snapshot's restore also reads its ancestors'
-images (their page files are mapped in the ``share`` modes), so an ancestor stays
-resident while any resident descendant needs it: touching a node touches its ancestors,
-and only nodes without resident descendants are evicted.
+A snapshot's images are "resident" (hot) while they stay in memory, and go "to disk" (cold)
+when evicted: written back and dropped from the page cache with ``posix_fadvise(DONTNEED)``,
+and their tmpfs copy (what share clones map) dropped unless a running clone maps it.
+Restoring an evicted snapshot reads it back from the pool. A child snapshot's restore also
+reads its ancestors' images (their page files are mapped in the ``share`` modes), so an
+ancestor stays resident while any resident descendant needs it: touching a node touches
+its ancestors, and only nodes without resident descendants are evicted.
+
+The budget is sized from the run by default: :data:`AUTO_FRACTION` of the peak memory of the
+workspaces this process runs (:func:`~bunshin_gym.rollout.runmemory.run_bytes`), so that a
+prefix cache adds about that much to a run's memory. The paper's cache kept 1 GiB resident
+over the 69 GiB its rollouts used (1.4%); a fixed byte budget can be given instead.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
+
+from bunshin_gym.rollout.runmemory import run_bytes
+
+__all__ = ["AUTO_FRACTION", "Residency", "drop_snapshot", "warm_snapshot"]
+
+logger = logging.getLogger(__name__)
+
+#: the default budget's share of the run's peak workspace memory (the paper's 1.4%, rounded
+#: up; what the cached snapshots cost besides, the tmpfs copies of those being restored, is
+#: counted in the workspaces' own memory)
+AUTO_FRACTION = 0.02
+#: seconds between two reads of the run's memory (a read walks the records and cgroups)
+AUTO_REFRESH_S = 2.0
 
 
 class Residency:
-    def __init__(self, budget: int):
-        self.budget = budget
+    """Args:
+        budget: bytes of snapshot images kept resident; None sizes it from the run
+            (``fraction`` of the peak of ``run_memory()``, read at most every
+            :data:`AUTO_REFRESH_S` seconds as snapshots are added and used).
+        fraction: the automatic budget's share of the run's peak memory.
+        run_memory: bytes the run uses now (default: this process's workspaces).
+    """
+
+    def __init__(self, budget: int | None = None, *, fraction: float = AUTO_FRACTION,
+                 run_memory: Callable[[], int] = run_bytes):
+        if budget is not None and budget < 0:
+            raise ValueError(f"residency budget must be >= 0 bytes or None (sized from the run), not {budget}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"residency fraction must be between 0 and 1, not {fraction}")
+        self.fixed = budget
+        self.fraction = fraction
+        self.run_memory = run_memory
+        self.run_peak = 0  # the most the run's workspaces used when the budget was last sized
+        self._read_at = -math.inf
         self.sizes: dict[Any, int] = {}
         self.resident: OrderedDict[Any, None] = OrderedDict()  # least recently used first
         self.evictions = 0
         self._lock = threading.Lock()
 
     @property
+    def budget(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        return int(self.fraction * self.run_peak)
+
+    @property
     def resident_bytes(self) -> int:
-        return sum(self.sizes[n] for n in self.resident)
+        with self._lock:
+            return sum(self.sizes[n] for n in self.resident)
+
+    def _size_from_run(self) -> None:
+        """Raise the automatic budget with the run's peak (never lowered: a group's
+        workspaces closing does not make the cache spill what the next group reuses)."""
+        if self.fixed is not None:
+            return
+        now = time.monotonic()
+        if now - self._read_at < AUTO_REFRESH_S:
+            return
+        self._read_at = now
+        try:
+            used = self.run_memory()
+        except OSError as e:  # a workspace closing under the read: size it next time
+            logger.debug("residency: reading the run's memory failed: %s", e)
+            return
+        self.run_peak = max(self.run_peak, used)
 
     def add(self, node: Any, size: int) -> None:
         with self._lock:
@@ -48,6 +111,7 @@ class Residency:
 
     def touch(self, node: Any) -> None:
         """Mark a snapshot (and its snapshotted ancestors) used now; evict over budget."""
+        self._size_from_run()
         with self._lock:
             chain = []
             n = node
@@ -65,7 +129,8 @@ class Residency:
     def _over_budget(self) -> list:
         victims = []
         total = sum(self.sizes[n] for n in self.resident)
-        while total > self.budget:
+        budget = self.budget
+        while total > budget:
             needed = set()
             for n in self.resident:
                 p = getattr(n, "parent", None)
@@ -83,16 +148,24 @@ class Residency:
 
 
 def _drop_from_memory(node: Any) -> None:
+    if getattr(node, "snapshot", None):
+        drop_snapshot(node.snapshot)
+
+
+def drop_snapshot(snap_id: str) -> None:
+    """Make a snapshot cold: its images written back and dropped from the page cache, and
+    its tmpfs copy dropped unless a running clone maps it."""
     from bunshin_gym.errors import SnapshotError
+    from bunshin_gym.workspace import uffd
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
-    if not getattr(node, "snapshot", None):
-        return
     try:
-        criu = SnapshotStore().get(node.snapshot).criu_dir
+        criu = SnapshotStore().get(snap_id).criu_dir
     except SnapshotError:
         return
     for f in criu.iterdir():
+        if f.is_symlink() or not f.is_file():
+            continue  # the link to the parent's images: the parent is a node of its own
         try:
             fd = os.open(f, os.O_RDONLY)
         except OSError:
@@ -102,3 +175,23 @@ def _drop_from_memory(node: Any) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    uffd.release_images(snap_id=snap_id)
+
+
+def warm_snapshot(snap_id: str) -> int:
+    """Make a snapshot's images resident in the page cache (read them); returns the bytes read."""
+    from bunshin_gym.errors import SnapshotError
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    try:
+        criu = SnapshotStore().get(snap_id).criu_dir
+    except SnapshotError:
+        return 0
+    total = 0
+    for f in criu.iterdir():
+        if f.is_symlink() or not f.is_file():
+            continue
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                total += len(chunk)
+    return total

@@ -45,10 +45,21 @@ class CacheStats:
     def served(self) -> int:
         return self.hits
 
-    def restore_cost(self, hot: bool) -> float:
-        """Mean measured seconds of a hot or cold restore (the prior until one is measured)."""
+    def _measured(self, hot: bool) -> float | None:
         n, total = (self.restores_hot, self.restore_hot_s) if hot else (self.restores_cold, self.restore_cold_s)
-        return total / n if n else PRIOR_RESTORE_S[hot]
+        return total / n if n else None
+
+    def restore_cost(self, hot: bool) -> float:
+        """Mean measured seconds of a hot or cold restore. Until one of a kind is measured, it
+        is the other kind's mean scaled by the priors' ratio (a cold restore reads what a hot
+        one has in memory: never assumed cheaper than a measured hot one), or the prior."""
+        mine = self._measured(hot)
+        if mine is not None:
+            return mine
+        other = self._measured(not hot)
+        if other is not None:
+            return other * PRIOR_RESTORE_S[hot] / PRIOR_RESTORE_S[not hot]
+        return PRIOR_RESTORE_S[hot]
 
     def as_dict(self) -> dict:
         total = self.hits + self.misses

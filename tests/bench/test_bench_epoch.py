@@ -160,6 +160,31 @@ def test_targets_are_marked_ok_or_no_from_the_figures():
     assert marks[E.TARGETS[1][0]] and marks[E.TARGETS[4][0]]
 
 
+def test_the_restore_target_compares_measured_hot_and_cold_restores():
+    res = _results()
+    assert E.TARGETS[6][0] not in {t["target"] for t in E.evaluate_targets(res)}  # not measured: no row
+    res["restores"] = {"hot": {"mean_s": 1.2}, "cold": {"mean_s": 1.8}}
+    row = {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[6][0]]
+    assert row["ok"] and row["measured"] == "hot 1.2 s, cold 1.8 s (1.50x)"
+    res["restores"]["cold"]["mean_s"] = 1.1
+    assert not {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[6][0]]["ok"]
+
+
+def test_hot_and_cold_restores_are_measured_as_the_cache_restores_and_leave_nothing():
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    mem = E.workspace_memory()
+    r = E.measure_restores("Bunshin-Shell-v0", "shell/make-dir", ["echo a > /home/user/a", "echo b > /home/user/b"],
+                           rounds=2)
+    assert len(r["hot"]["times_s"]) == len(r["cold"]["times_s"]) == 4  # 2 rounds x 2 sibling snapshots
+    assert all(t > 0 for k in ("hot", "cold") for t in r[k]["times_s"]) and len(r["images_mb"]) == 2
+    ids = {s.id for s in SnapshotStore().list()}
+    assert len(r["snapshots"]) == 2 and not ids & set(r["snapshots"])  # its snapshots are deleted
+    assert E.workspace_memory()["workspaces"] == mem["workspaces"]  # and its env closed
+    with pytest.raises(ValueError, match="two actions"):
+        E.measure_restores("Bunshin-Shell-v0", "shell/make-dir", ["ls"])
+
+
 def test_run_to_run_noise_compares_spec_epoch_1_with_share_base():
     res = _results()
     assert E.run_to_run_noise(res) == {"spec_s": 90.0, "share_base_s": 100.0, "ratio": 0.9}

@@ -143,7 +143,8 @@ def test_replay_or_restore_follows_the_recorded_costs(tmp_path, restore_s, repla
         cache.clear()
 
 
-def test_hot_and_cold_restores_are_timed_apart(cache):
+def test_hot_and_cold_restores_are_timed_apart(tmp_path):
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, memory_budget=1 << 30)  # room for it: hot
     env = cache.wrap(gym.make("Bunshin-Shell-v0"))
     try:
         env.reset(options={"task": "shell/make-dir"})
@@ -162,6 +163,7 @@ def test_hot_and_cold_restores_are_timed_apart(cache):
         assert env.step("cat /home/user/calls.txt")[0]["output"] == "x\n"
     finally:
         env.close()
+        cache.clear()
 
 
 def test_the_log_keeps_the_observation_each_call_was_made_from(tmp_path):
@@ -186,7 +188,7 @@ def test_the_log_keeps_the_observation_each_call_was_made_from(tmp_path):
 def test_the_cheapest_start_counts_restores_replays_and_a_lazy_fork(tmp_path):
     from bunshin_gym.rollout.prefix_cache import Node
 
-    cache = PrefixCache(tmp_path / "cache")
+    cache = PrefixCache(tmp_path / "cache", memory_budget=1 << 30)
     root = Node("", None, 0)
     a = Node("a", "a", 1, parent=root, duration=0.5, snapshot="snap-a")
     b = Node("b", "b", 2, parent=a, duration=0.5)
@@ -198,3 +200,26 @@ def test_the_cheapest_start_counts_restores_replays_and_a_lazy_fork(tmp_path):
     cache.residency.add(a, 1 << 20)  # the snapshot is resident now: a hot restore
     assert cache.start_cost(path, live=0) == (pytest.approx(hot + 0.5), 1)
     assert cache.start_cost(path, live=1) == (pytest.approx(0.5), 1)  # the live workspace is there
+
+
+def test_an_unmeasured_cold_restore_is_never_assumed_cheaper_than_a_measured_hot_one(tmp_path):
+    from bunshin_gym.rollout.stats import PRIOR_RESTORE_S, CacheStats
+
+    s = CacheStats()
+    assert (s.restore_cost(True), s.restore_cost(False)) == (PRIOR_RESTORE_S[True], PRIOR_RESTORE_S[False])
+    s.restores_hot, s.restore_hot_s = 2, 10.0  # hot restores took 5 s on a loaded host
+    ratio = PRIOR_RESTORE_S[False] / PRIOR_RESTORE_S[True]
+    assert s.restore_cost(True) == 5.0 and s.restore_cost(False) == pytest.approx(5.0 * ratio)
+    s.restores_cold, s.restore_cold_s = 1, 7.0  # measured: the measure wins
+    assert s.restore_cost(False) == 7.0
+    only_cold = CacheStats(restores_cold=1, restore_cold_s=3.0)
+    assert only_cold.restore_cost(True) == pytest.approx(3.0 / ratio)
+    # so a cold snapshot is not chosen over the live workspace's replays on the prior alone
+    from bunshin_gym.rollout.prefix_cache import Node
+
+    cache = PrefixCache(tmp_path / "cache", memory_budget=0)
+    cache.stats.restores_hot, cache.stats.restore_hot_s = 1, 5.0
+    root = Node("", None, 0)
+    a = Node("a", "a", 1, parent=root, duration=1.0, snapshot="snap-a")
+    b = Node("b", "b", 2, parent=a, duration=1.0)
+    assert cache.start_cost([root, a, b], live=0) == (pytest.approx(2.0), 0)  # replaying beats ~10 s

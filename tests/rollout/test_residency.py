@@ -1,9 +1,19 @@
-"""The ancestor-aware LRU that keeps hot cached snapshots in memory."""
+"""The ancestor-aware LRU that keeps hot cached snapshots in memory, under a budget sized from
+the run: units, then the prefix cache and snapshot copies on real workspaces."""
 
 from __future__ import annotations
 
+import subprocess
+
+import gymnasium as gym
+import pytest
+
+import bunshin_gym  # noqa: F401
+from bunshin_gym.rollout import PrefixCache
 from bunshin_gym.rollout.prefix_cache import Node
-from bunshin_gym.rollout.residency import Residency
+from bunshin_gym.rollout.residency import AUTO_FRACTION, Residency, drop_snapshot
+from bunshin_gym.rollout.runmemory import run_bytes
+from bunshin_gym.workspace import Workspace, uffd
 
 
 def chain(*names: str) -> list[Node]:
@@ -46,3 +56,102 @@ def test_touching_a_node_refreshes_its_ancestors():
         r.add(n, 10)
     r.touch(leaf)
     assert list(r.resident)[-3:] == [root, mid, leaf]
+
+
+class RunMemory:
+    """The run's memory as the budget reads it, set by the test (the real reader is
+    :func:`bunshin_gym.rollout.runmemory.run_bytes`, used by the tests below)."""
+
+    def __init__(self, used: int):
+        self.used = used
+
+    def __call__(self) -> int:
+        return self.used
+
+
+def test_the_default_budget_is_a_share_of_the_runs_peak_memory(monkeypatch):
+    monkeypatch.setattr("bunshin_gym.rollout.residency.AUTO_REFRESH_S", 0.0)
+    run = RunMemory(10_000)
+    r = Residency(fraction=0.02, run_memory=run)
+    a, b, c = Node("a", "a", 1), Node("b", "b", 1), Node("c", "c", 1)
+    r.add(a, 150)
+    assert r.budget == 200 and list(r.resident) == [a]
+    r.add(b, 150)  # 300 bytes over a 200-byte budget: the older goes to disk
+    assert list(r.resident) == [b] and r.evictions == 1
+    run.used = 20_000  # more rollouts run: the budget grows with the run
+    r.add(c, 150)
+    assert r.budget == 400 and list(r.resident) == [b, c]
+    run.used = 1_000  # the groups closed: the budget keeps the run's peak, nothing spills
+    r.touch(b)
+    assert r.budget == 400 and list(r.resident) == [c, b]
+
+
+def test_a_fixed_budget_ignores_the_run_and_bad_budgets_are_refused():
+    r = Residency(300, run_memory=RunMemory(10**12))
+    r.add(Node("a", "a", 1), 200)
+    assert r.budget == 300
+    with pytest.raises(ValueError, match="budget"):
+        Residency(-1)
+    with pytest.raises(ValueError, match="fraction"):
+        Residency(fraction=2.0)
+
+
+def _resident_bytes(snap_id: str) -> int:
+    """Page-cache bytes of a snapshot's CRIU images, as util-linux's fincore reads them (mincore)."""
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    files = [str(f) for f in SnapshotStore().get(snap_id).criu_dir.iterdir() if f.is_file() and not f.is_symlink()]
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(x) for x in out.split())
+
+
+def test_the_prefix_cache_keeps_its_share_of_the_runs_memory_and_spills_the_rest(tmp_path):
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, overlap=False)  # the default budget
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        for i in range(3):
+            env.step(f"sleep 1; echo {i} >> /home/user/calls.txt")  # replaying a call costs 1 s
+        mine = run_bytes()
+        r = cache.residency
+        assert 0 < r.run_peak and r.budget == int(AUTO_FRACTION * r.run_peak)
+        assert mine > 0 and r.run_peak <= 2 * mine  # the run is this process's workspaces, not the host
+        assert cache.stats.snapshots == 3 and r.resident_bytes <= r.budget and r.evictions >= 1
+        spilled = [n for n in r.sizes if not r.is_resident(n)]
+        assert spilled
+        for node in spilled:  # on disk only: dropped from the page cache
+            assert _resident_bytes(node.snapshot) < 0.1 * r.sizes[node], node.snapshot
+        # a spilled snapshot still serves: the live workspace follows the hits by cold restores
+        env.reset(options={"task": "shell/make-dir"})
+        for i in range(3):
+            assert env.step(f"sleep 1; echo {i} >> /home/user/calls.txt")[4]["cache"] == "hit"
+        assert env.step("cat /home/user/calls.txt")[0]["output"] == "0\n1\n2\n"
+        assert cache.stats.restores_cold >= 1
+    finally:
+        env.close()
+        cache.clear()
+
+
+def test_a_spilled_snapshots_tmpfs_copy_goes_unless_a_clone_maps_it():
+    ws = Workspace.create("base")
+    try:
+        snap = ws.snapshot()
+        try:
+            uffd.prepare_images(snap.id, snap.criu_dir)  # as a share restore leaves it
+            assert uffd.has_image_copy(snap.id)
+            drop_snapshot(snap.id)
+            assert not uffd.has_image_copy(snap.id)
+            clone = snap.fork(1, mode="share")[0]
+            try:
+                assert uffd.has_image_copy(snap.id)
+                drop_snapshot(snap.id)
+                assert uffd.has_image_copy(snap.id)  # mapped by the clone: kept
+                assert clone.exec("echo alive").text == "alive\n"
+            finally:
+                clone.close()
+            assert not uffd.has_image_copy(snap.id)
+        finally:
+            snap.delete()
+    finally:
+        ws.close()

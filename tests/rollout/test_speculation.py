@@ -207,3 +207,21 @@ def test_a_call_served_by_speculation_is_recorded_with_the_time_it_took_in_the_f
     finally:
         env.close()
         cache.clear()
+
+
+def test_a_speculated_call_is_never_served_for_a_call_that_differs_inside_quotes():
+    predicted = 'sleep 1; echo "a  b" > /home/user/q.txt; cat /home/user/q.txt'
+    spec = Speculation.from_log(log_entries({"shell/make-dir": [predicted, "DONE"]}), min_duration=0.5)
+    env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        assert env.wait_speculation(timeout=60)  # the fork ran the predicted call
+        obs, _, _, _, info = env.step(predicted.replace('"a  b"', '"a b"'))
+        assert "speculation" not in info and obs["output"] == "a b\n"
+        assert spec.stats.mismatched == 1 and spec.stats.matched == 0
+        env.reset(options={"task": "shell/make-dir"})  # blanks between words only: the same call, served
+        assert env.wait_speculation(timeout=60)
+        obs, _, _, _, info = env.step(predicted.replace("; echo", ";   echo"))
+        assert info.get("speculation") == "hit" and obs["output"] == "a  b\n"
+    finally:
+        env.close()
