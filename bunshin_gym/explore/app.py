@@ -8,7 +8,8 @@ root are served, never an arbitrary path):
 - ``/api/runs``; ``/api/runs/RUN`` (epochs, tasks, counts); ``/api/runs/RUN/groups`` (a page
   of groups: ``offset``, ``limit``, ``epoch``, ``task``, ``min_reward``, ``max_reward``);
   ``/api/runs/RUN/groups/GID/tree``; ``/api/runs/RUN/groups/GID/steps/MEMBER/DEPTH`` (one
-  step: its full observation text and the action's marks); ``/api/runs/RUN/curves``;
+  step: its full observation text and the action's marks; a web step also ``before``, the
+  screenshot its action was chosen on, where its element's box is); ``/api/runs/RUN/curves``;
   ``/api/runs/RUN/media/NAME`` (thumbnails, screenshots, observation texts);
 - ``/api/workspaces``, ``/api/snapshots`` (with memory, shared and private, in bytes:
   :mod:`bunshin_gym.explore.memory`; ``memory_survey`` says when it was counted),
@@ -136,7 +137,10 @@ def create_app(run: str | Path | None = None, runs_root: str | Path | None = Non
             # page it was chosen on, the observation before it (the member's previous step's)
             before = g.obs if depth == 0 else next(
                 (p.get("obs") for p in g.steps if p["member"] == member and p["depth"] == depth - 1), None)
-            out["marks"] = web_marks(s.get("action"), _obs_text(r, before).get("accessibility_tree", ""))
+            shot = {k: before[k] for k in ("thumb", "shot", "size") if k in before} if isinstance(before, dict) else {}
+            out["before"] = shot  # the screenshot the action was chosen on: its element box is there
+            out["marks"] = web_marks(s.get("action"), _obs_text(r, before).get("accessibility_tree", ""),
+                                     s.get("element_box"), shot.get("size"))
         else:
             out["marks"] = marks(s.get("action"))
         return out

@@ -4,9 +4,10 @@ typed text and keys, read from the action's text without running it.
 Desktop actions come as pyautogui code (read with :mod:`ast`: only calls on ``pyautogui``
 with literal arguments count) or as computer_13 dicts (JSON); anything else (a shell command)
 has no marks. A WebArena (or BrowserGym) action names an element, not a point:
-:func:`web_marks` reads it with the web env's own parser and names the element by its line
-in the accessibility tree the action was chosen from; the web env records no element boxes,
-so no box is drawn.
+:func:`web_marks` reads it with the web env's own parser, names the element by its line in
+the accessibility tree the action was chosen from and, when the step recorded where that
+element was (the web env's ``info["element_box"]``, taken before the action ran), puts the
+mark at the box's centre (where a click lands) on the screenshot the action was chosen on.
 
 Example:
     >>> marks("pyautogui.click(120, 40); pyautogui.write('hi')")
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from typing import Any
 
 from bunshin_gym.envs.webarena.actions import parse_action
@@ -132,12 +134,19 @@ def _computer13(action: dict) -> list[dict]:
     return []
 
 
-def web_marks(action: Any, tree: str = "") -> list[dict]:
+def web_marks(action: Any, tree: str = "", box: Any = None, size: Any = None) -> list[dict]:
     """The marks of one WebArena or BrowserGym action (``click [12]``, ``fill('12', 'hi')``):
     the element it acts on (``element``: its id or ``role 'name'`` reference; ``line``: its
     line in ``tree``, the accessibility tree the action was chosen from, when found there),
     typed text, keys, a scroll, a page change (``goto``, back, tabs) or the answer; [] when
-    the text is not such an action."""
+    the text is not such an action.
+
+    ``box`` is the element's recorded box (``x``, ``y``, ``width``, ``height`` in the pixels of
+    the screenshot the action was chosen on, ``size`` = [width, height]): the element's mark
+    then has it and, when its centre lies on that screenshot, ``x`` and ``y`` (the centre), to
+    be drawn there; a centre off it (the element was scrolled out of view; the action
+    scrolled it in) gives ``offscreen`` (``above``, ``below``, ``left`` or ``right``) instead.
+    Without a usable box the mark names the element only."""
     if not isinstance(action, str):
         return []
     try:
@@ -147,8 +156,9 @@ def web_marks(action: Any, tree: str = "") -> list[dict]:
     out: list[dict] = []
     if act.element is not None:
         label = "choose" if act.option is not None else act.kind
-        out.append({"kind": "element", "label": label, "element": act.element,
-                    "line": _tree_line(tree, act.element)})
+        mark = {"kind": "element", "label": label, "element": act.element, "line": _tree_line(tree, act.element)}
+        mark.update(_placed(box, size))
+        out.append(mark)
     if act.kind == "type":
         out.append({"kind": "type", "text": act.text or "", "label": "type", "enter": act.enter})
     elif act.option is not None:
@@ -164,6 +174,34 @@ def web_marks(action: Any, tree: str = "") -> list[dict]:
                     + ("" if act.index is None else f" {act.index}")})
     elif act.kind == "stop":
         out.append({"kind": "page", "label": f"stop: {act.answer}"})
+    return out
+
+
+def _placed(box: Any, size: Any) -> dict:
+    """``box``, and the centre's ``x``/``y`` or ``offscreen`` (see :func:`web_marks`); {} for a
+    missing or malformed box (a step line is read from a file)."""
+    try:
+        x, y, w, h = (float(box[k]) for k in ("x", "y", "width", "height"))
+    except (KeyError, TypeError, ValueError):
+        return {}
+    if not all(math.isfinite(v) for v in (x, y, w, h)) or w < 0 or h < 0:
+        return {}
+    out: dict[str, Any] = {"box": {"x": x, "y": y, "width": w, "height": h}}
+    cx, cy = round(x + w / 2, 2), round(y + h / 2, 2)
+    try:
+        sw, sh = float(size[0]), float(size[1])
+    except (IndexError, TypeError, ValueError):
+        return out  # no screenshot to place it on
+    if cy < 0:
+        out["offscreen"] = "above"
+    elif cy >= sh:
+        out["offscreen"] = "below"
+    elif cx < 0:
+        out["offscreen"] = "left"
+    elif cx >= sw:
+        out["offscreen"] = "right"
+    else:
+        out.update(x=cx, y=cy)
     return out
 
 

@@ -220,7 +220,7 @@ class Driver:
             box = target.bounding_box(timeout=min(BOX_TIMEOUT_MS, self.timeout_ms))
         except PlaywrightError:
             return None
-        return None if box is None else {k: round(float(box[k]), 1) for k in ("x", "y", "width", "height")}
+        return None if box is None else {k: round(float(box[k]), 2) for k in ("x", "y", "width", "height")}
 
     def _act(self, req: dict, page, target) -> None:
         kind = req["kind"]

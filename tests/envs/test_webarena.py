@@ -5,6 +5,7 @@ of clones diverge, rollback restores the database and the page."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import gymnasium as gym
@@ -77,6 +78,62 @@ def test_observation_is_webarena_tree_url_and_tabs(env):
     account = next(ln for ln in lines if ln.strip().endswith("link 'My Account'"))
     obs, *_ = env.step(f"click [{account.strip()[1:account.strip().index(']')]}]")
     assert obs["url"].endswith("/customer/account/") and "heading 'My Account'" in obs["accessibility_tree"]
+
+
+def _rect(env, element_js: str) -> dict:
+    """The DOM's own box of an element (a JS expression), in viewport CSS pixels."""
+    return json.loads(env.unwrapped.page.evaluate(f"JSON.stringify(({element_js}).getBoundingClientRect())"))
+
+
+def _same_box(recorded: dict, rect: dict) -> bool:
+    return all(abs(recorded[k] - rect[k]) <= 0.01 for k in ("x", "y", "width", "height"))  # kept to 0.01 px
+
+
+def test_element_actions_record_where_their_element_was_before_they_ran(env):
+    """info["element_box"] of an action on an element is the element's DOM box on the page the
+    action was chosen on (taken before it ran: a click that leaves the page, or that first
+    scrolls its element into view, still gives the box the previous observation showed), in the
+    pixels of the screenshot (the viewport's); failed actions keep it, others have none, and
+    the observation does not change."""
+    obs, _ = env.reset(options={"task": "webarena/1001"})
+    keys = set(obs)
+    account = "[...document.querySelectorAll('a')].find(a => a.textContent.trim() === 'My Account')"
+    rect = _rect(env, account)
+    assert rect["width"] > 0 and 0 <= rect["y"] < 720
+    # where a click at the box's centre lands is the link itself
+    assert env.unwrapped.page.evaluate(f"document.elementFromPoint({rect['x'] + rect['width'] / 2}, "
+                                       f"{rect['y'] + rect['height'] / 2}).closest('a') === {account}") == "true"
+    _, _, _, _, info = env.step("select_option('4', 'x')")  # id 4 is that link: no <select>, fails
+    assert "not a <select>" in info["error"] and _same_box(info["element_box"], rect), info
+    obs, _, _, _, info = env.step("click [link 'My Account']")
+    assert obs["url"].endswith("/customer/account/") and _same_box(info["element_box"], rect), info
+    assert set(obs) == keys and "element_box" not in str(obs)
+
+    env.step("go_back")
+    search = _rect(env, "document.querySelector('#search')")
+    _, _, _, _, info = env.step("type [searchbox 'Search'] [headphones] [0]")
+    assert _same_box(info["element_box"], search), (info, search)
+    button = _rect(env, "document.querySelector('form.search button')")
+    _, _, _, _, info = env.step("hover [button 'Search']")
+    assert _same_box(info["element_box"], button), (info, button)
+
+    # below the fold: the box lies below the screenshot; the click scrolled it into view
+    footer = "[...document.querySelectorAll('a')].find(a => a.textContent.trim() === 'Contact Us')"
+    rect = _rect(env, footer)
+    assert rect["y"] > 720
+    obs, _, _, _, info = env.step("click [link 'Contact Us']")
+    assert obs["url"].endswith("/contact/") and _same_box(info["element_box"], rect), info
+    # after a scroll: the box is where the element is in the scrolled viewport
+    env.step("go_back")
+    _, _, _, _, info = env.step("scroll [down]")
+    assert "element_box" not in info
+    rect = _rect(env, footer)
+    assert 0 <= rect["y"] < 720
+    _, _, _, _, info = env.step("click [link 'Contact Us']")
+    assert _same_box(info["element_box"], rect), (info, rect)
+    for action in ("goto [__SHOPPING__/]", "click [99999]", "stop [N/A]"):
+        _, _, _, _, info = env.step(action)
+        assert "element_box" not in info, (action, info)
 
 
 def test_bad_actions_leave_an_error_and_the_episode_goes_on(env):

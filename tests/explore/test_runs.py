@@ -162,6 +162,28 @@ def test_marks_of_web_actions():
         assert web_marks(none) == []
 
 
+def test_web_marks_place_an_element_at_its_recorded_box():
+    """With the element's recorded box, the mark sits at the box's centre (where the click
+    lands) when that lies on the screenshot; off it, or without a usable box, it names the
+    element only."""
+    tree = "[1] RootWebArea 'One Stop Market' focused: True\n\t[2] link 'My Account'"
+    box = {"x": 1002.5, "y": 24.0, "width": 81.0, "height": 16.0}
+    assert web_marks("click [2]", tree, box, [1280, 720]) == [
+        {"kind": "element", "label": "click", "element": "2", "line": "link 'My Account'", "box": box,
+         "x": 1043.0, "y": 32.0}]
+    typed = web_marks("type [2] [hi] [0]", tree, box, [1280, 720])
+    assert (typed[0]["x"], typed[0]["y"], typed[1]["kind"]) == (1043.0, 32.0, "type")
+    below = web_marks("click [2]", tree, dict(box, y=1069.2), [1280, 720])[0]
+    assert below["offscreen"] == "below" and "x" not in below and below["box"]["y"] == 1069.2
+    assert web_marks("click [2]", tree, dict(box, y=-40), [1280, 720])[0]["offscreen"] == "above"
+    assert web_marks("click [2]", tree, dict(box, x=1300), [1280, 720])[0]["offscreen"] == "right"
+    no_shot = web_marks("click [2]", tree, box, None)[0]  # a run without screenshots
+    assert no_shot["box"] == box and "x" not in no_shot and "offscreen" not in no_shot
+    for bad in (None, {}, {"x": 1, "y": 2}, {"x": "a", "y": 1, "width": 2, "height": 3}, [1, 2, 3, 4],
+                {"x": float("nan"), "y": 1, "width": 2, "height": 3}, {"x": 1, "y": 1, "width": -2, "height": 3}):
+        assert web_marks("click [2]", tree, bad, [1280, 720]) == web_marks("click [2]", tree), bad
+
+
 def test_step_log_observations_stay_small(tmp_path):
     log = StepLog(tmp_path)
     rng = np.random.default_rng(0)

@@ -201,48 +201,71 @@ async function showStep(n, member) {
       el("span", { text: `reward ${fmt(s.reward, 2)}` }),
       el("span", { text: s.terminated ? "terminated" : s.truncated ? "truncated" : "" }),
       s.episode ? el("span", { class: "g-epoch", text: `episode ${s.episode}` }) : null,
-      s.error ? el("span", { class: "error", text: s.error }) : null),
-    obsView(s.obs, s.text, s.marks));
+      s.error ? el("span", { class: "error", text: s.error }) : null));
+  // a web action's element with a recorded box: drawn where it was, on the screenshot the
+  // action was chosen on (the page before it; the result below may be another page)
+  const placed = (s.marks || []).filter((m) => m.kind === "element" && m.x !== undefined);
+  const onBefore = placed.length > 0 && !!s.before && !!(s.before.shot || s.before.thumb);
+  if (onBefore) {
+    view.append(el("h4", { class: "shot-title", text: "the action, on the page it was chosen on" }),
+      shotView(s.before, placed, "step-before"),
+      el("h4", { class: "shot-title", text: "the result" }));
+  }
+  // on the result's screenshot an element is named, never placed: its point is the page before's
+  const rest = (s.marks || []).filter((m) => !(onBefore && placed.includes(m)))
+    .map((m) => (m.kind === "element" ? { ...m, x: undefined, y: undefined } : m));
+  view.append(obsView(s.obs, s.text, rest));
+}
+
+function elementLabel(m) {
+  return `${m.label} [${m.element}]` + (m.line ? ` ${m.line}` : "");
+}
+
+// a screenshot with the action's marks drawn on it; ids `${id}-shot` and `${id}-marks`
+function shotView(obs, marks, id) {
+  const [w, h] = obs.size || [1, 1];
+  const wrap = el("div", { class: "shot-wrap" }, el("img", { id: `${id}-shot`, src: media(obs.shot || obs.thumb), alt: "screenshot" }));
+  const over = svg("svg", { viewBox: `0 0 ${w} ${h}`, preserveAspectRatio: "none", id: `${id}-marks` });
+  const font = Math.max(14, w / 70);
+  let last = null;
+  for (const m of marks || []) {
+    if (m.x !== undefined && m.y !== undefined) {
+      last = m;
+      if (m.box) over.append(svg("rect", { x: m.box.x, y: m.box.y, width: m.box.width, height: m.box.height, fill: "none", stroke: "#ef4444", "stroke-width": 2, "stroke-dasharray": "6 3", class: "mark-box" }));
+      over.append(svg("circle", { cx: m.x, cy: m.y, r: Math.max(8, w / 90), fill: "rgba(239,68,68,.25)", stroke: "#ef4444", "stroke-width": Math.max(2, w / 600), class: "mark-point" }));
+      over.append(svg("line", { x1: m.x - w / 50, y1: m.y, x2: m.x + w / 50, y2: m.y, stroke: "#ef4444", "stroke-width": 2 }));
+      over.append(svg("line", { x1: m.x, y1: m.y - w / 50, x2: m.x, y2: m.y + w / 50, stroke: "#ef4444", "stroke-width": 2 }));
+      // a label near the right edge goes to the left of its point
+      const right = m.x > w * 0.7;
+      const t = svg("text", { x: right ? m.x - w / 60 : m.x + w / 60, y: m.y - w / 80, fill: "#ef4444", stroke: "#fff", "stroke-width": 3, "paint-order": "stroke", "text-anchor": right ? "end" : "start", "font-size": font, "font-weight": "bold", class: m.kind === "element" ? "mark-element-at" : "mark-label" });
+      t.textContent = (m.kind === "element" ? elementLabel(m) : m.label).slice(0, 120);
+      over.append(t);
+    }
+  }
+  let ty = Math.max(20, h / 30);
+  // what has no point to draw at (typed text, keys; a web action's element without a box or
+  // off the screenshot, scroll, page change): written as lines, below the last point or from the top left
+  const LINES = { type: ["mark-text", "#1d4ed8"], key: ["mark-text", "#1d4ed8"], element: ["mark-element", "#b91c1c"],
+    scroll: ["mark-scroll", "#7c3aed"], page: ["mark-page", "#047857"] };
+  for (const m of marks || []) {
+    if (!LINES[m.kind] || ((m.kind === "scroll" || m.kind === "element") && m.x !== undefined)) continue;
+    const label = m.kind === "type" ? `type "${m.text}"` + (m.enter ? " ⏎" : "") : m.kind === "key" ? `${m.label} ${m.keys.join("+")}`
+      : m.kind === "element" ? elementLabel(m) + (m.offscreen ? ` (${m.offscreen} the screenshot)` : "")
+      : m.kind === "scroll" && m.direction ? `${m.label} ${m.direction === "up" ? "↑" : "↓"}` : m.label;
+    const x = last ? Math.min(last.x, w * 0.7) + w / 60 : w / 60, y = last ? last.y + ty + w / 60 : ty;
+    const [cls, color] = LINES[m.kind];
+    const t = svg("text", { x, y, fill: color, stroke: "#fff", "stroke-width": 3, "paint-order": "stroke", "font-size": font, "font-weight": "bold", class: cls });
+    t.textContent = label.slice(0, 120);
+    over.append(t);
+    ty += Math.max(18, w / 60);
+  }
+  wrap.append(over);
+  return wrap;
 }
 
 function obsView(obs, text, marks) {
   const box = el("div", { id: "step-obs" });
-  if (obs && (obs.shot || obs.thumb)) {
-    const [w, h] = obs.size || [1, 1];
-    const wrap = el("div", { class: "shot-wrap" }, el("img", { id: "step-shot", src: media(obs.shot || obs.thumb), alt: "screenshot" }));
-    const over = svg("svg", { viewBox: `0 0 ${w} ${h}`, preserveAspectRatio: "none", id: "step-marks" });
-    let last = null;
-    for (const m of marks || []) {
-      if (m.x !== undefined && m.y !== undefined) {
-        last = m;
-        over.append(svg("circle", { cx: m.x, cy: m.y, r: Math.max(8, w / 90), fill: "rgba(239,68,68,.25)", stroke: "#ef4444", "stroke-width": Math.max(2, w / 600), class: "mark-point" }));
-        over.append(svg("line", { x1: m.x - w / 50, y1: m.y, x2: m.x + w / 50, y2: m.y, stroke: "#ef4444", "stroke-width": 2 }));
-        over.append(svg("line", { x1: m.x, y1: m.y - w / 50, x2: m.x, y2: m.y + w / 50, stroke: "#ef4444", "stroke-width": 2 }));
-        const t = svg("text", { x: m.x + w / 60, y: m.y - w / 80, fill: "#ef4444", "font-size": Math.max(14, w / 70), "font-weight": "bold" });
-        t.textContent = m.label;
-        over.append(t);
-      }
-    }
-    let ty = Math.max(20, h / 30);
-    // what has no point to draw at (typed text, keys; a web action's element, scroll, page change):
-    // written as lines, below the last point or from the top left
-    const LINES = { type: ["mark-text", "#1d4ed8"], key: ["mark-text", "#1d4ed8"], element: ["mark-element", "#b91c1c"],
-      scroll: ["mark-scroll", "#7c3aed"], page: ["mark-page", "#047857"] };
-    for (const m of marks || []) {
-      if (!LINES[m.kind] || (m.kind === "scroll" && m.x !== undefined)) continue;
-      const label = m.kind === "type" ? `type "${m.text}"` + (m.enter ? " ⏎" : "") : m.kind === "key" ? `${m.label} ${m.keys.join("+")}`
-        : m.kind === "element" ? `${m.label} [${m.element}]` + (m.line ? ` ${m.line}` : "")
-        : m.kind === "scroll" && m.direction ? `${m.label} ${m.direction === "up" ? "↑" : "↓"}` : m.label;
-      const x = last ? last.x + w / 60 : w / 60, y = last ? last.y + ty + w / 60 : ty;
-      const [cls, color] = LINES[m.kind];
-      const t = svg("text", { x, y, fill: color, stroke: "#fff", "stroke-width": 3, "paint-order": "stroke", "font-size": Math.max(14, w / 70), "font-weight": "bold", class: cls });
-      t.textContent = label.slice(0, 120);
-      over.append(t);
-      ty += Math.max(18, w / 60);
-    }
-    wrap.append(over);
-    box.append(wrap);
-  }
+  if (obs && (obs.shot || obs.thumb)) box.append(shotView(obs, marks, "step"));
   for (const [k, v] of Object.entries(text || {})) {
     if (!v) continue;
     box.append(el("details", { open: "" }, el("summary", { text: k === "accessibility_tree" ? "accessibility tree" : k }), el("pre", { class: `obs-${k}`, text: v })));
