@@ -217,7 +217,8 @@ class DesktopClient:
         # what changes nothing is retried on a connection that broke: a server that dropped the
         # connection may have run the action (and died), so an action is never sent twice
         self._client = WorkspaceClient(lambda: sock_path(ws, DESKTOP_SOCKET), name=f"{ws.id}: the desktop input server",
-                                       timeout=120.0, max_blobs=MAX_REPLY, retry_ops=("ping", "screenshot"))
+                                       timeout=120.0, max_blobs=MAX_REPLY,
+                                       retry_ops=("ping", "screenshot", "a11y_tree"))
 
     def close(self) -> None:
         self._client.close()
@@ -234,3 +235,12 @@ class DesktopClient:
 
     def request(self, header: dict, timeout: float = 120.0) -> dict:
         return self._client.request(header, timeout=timeout)[0]
+
+    def a11y_tree(self, seconds: float, max_nodes: int = 3000) -> str:
+        """The accessibility tree's XML, dumped by the input server (the fast walker); a
+        :class:`~bunshin_gym.errors.WorkspaceError` if it failed there."""
+        reply, blobs = self._client.request({"op": "a11y_tree", "seconds": seconds, "max_nodes": max_nodes},
+                                            timeout=seconds + 20)
+        if "error" in reply or len(blobs) != 1:
+            raise WorkspaceError(f"{self.ws.id}: the input server's tree dump failed: {reply.get('error')}")
+        return blobs[0].decode(errors="replace")

@@ -237,6 +237,48 @@ def test_fast_walker_gives_the_old_walkers_tree(env, task_id):
         assert ">4242</table-cell>" in fast
 
 
+@pytest.mark.parametrize("task_id", ["osworld/editor-fix-port", "osworld/calc-max-sales"])
+def test_the_input_server_dumps_the_same_tree_as_a_dump_process(env, task_id):
+    """The fast walker run inside the input server (no process start a step) gives the XML a
+    dump process gives, taken back to back on the same desktop (one of 3 tries: a live
+    desktop may change between two dumps), also after a fork."""
+    env.reset(options={"task": task_id})
+    time.sleep(2)
+    u = env.unwrapped
+    pid = u._client().request({"op": "ping"})["pid"]
+
+    def same(e) -> str:
+        for _ in range(3):
+            served = e._client().a11y_tree(8.0)
+            alone = e.accessibility_tree(process=True)
+            if served == alone:
+                return served
+        raise AssertionError(_first_difference(served, alone))
+
+    xml = same(u)
+    assert LIVE_TASKS[task_id] in xml and 'source="x11"' not in xml
+    assert u.accessibility_tree() == xml  # the default path is the server's
+    assert u._client().request({"op": "ping"})["pid"] == pid  # the server lived through it
+    (twin,) = u.clone(1)
+    try:
+        assert LIVE_TASKS[task_id] in same(twin)
+        _, _, _, _, info = twin.step("pyautogui.press('shift')")
+        assert "error" not in info, info
+    finally:
+        twin.close()
+
+
+def test_a_tree_without_its_input_server_comes_from_a_dump_process(env):
+    env.reset(options={"task": "osworld/editor-fix-port"})
+    u = env.unwrapped
+    u.workspace.exec(["pkill", "-KILL", "-f", f"^python3 {desktop.OPT}/desktop_server.py"])
+    time.sleep(0.5)
+    assert LIVE_TASKS["osworld/editor-fix-port"] in u.accessibility_tree()
+    _, _, _, _, info = env.step("pyautogui.press('shift')")  # the action brings the server back
+    assert "error" not in info, info
+    assert LIVE_TASKS["osworld/editor-fix-port"] in u._client().a11y_tree(8.0)
+
+
 def _first_difference(a: str, b: str) -> str:
     for i, (x, y) in enumerate(zip(a.split("\n"), b.split("\n"), strict=False)):
         if x != y:

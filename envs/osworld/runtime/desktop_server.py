@@ -12,6 +12,10 @@ Requests (one reply each; a failed action answers ``{"error": ...}`` and the ser
     {"op": "pyautogui", "code": "pyautogui.click(10, 20)", "timeout": 30}
     {"op": "computer_13", "action": {"action_type": "CLICK", "x": 10, "y": 20}}
     {"op": "screenshot"}  -> blob: BGRX pixels of the whole screen (fallback path)
+    {"op": "a11y_tree", "seconds": 8, "max_nodes": 3000}  -> blob: the accessibility tree's XML
+        (``a11y_dump.dump_fast``, run here: a dump as its own process pays a Python start and
+        its imports, 150-300 ms, on every step; every connection it opens is closed before
+        it answers, so nothing of it is open across a snapshot)
 
 Standard library + python3-xlib only. The host side drops its connection before every
 snapshot, so nothing here outlives a request across a CRIU dump but the X connection
@@ -95,10 +99,29 @@ def run_code(code: str) -> str:
     return out.getvalue()[-8192:]
 
 
+def a11y_tree(req: dict) -> tuple[dict, list[bytes]]:
+    """The fast walker's dump; an error reply (the host then runs the dump as a process, which
+    falls back to the old walker) if it fails."""
+    import a11y_dump  # beside this file; imported on the first tree, kept for the next ones
+
+    seconds = float(req.get("seconds") or 8.0)
+    signal.setitimer(signal.ITIMER_REAL, seconds + 10)  # past its own deadline: a hung app call
+    try:
+        xml = a11y_dump.dump_fast(int(req.get("max_nodes") or 3000), seconds,
+                                  os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+    except BaseException as e:  # noqa: BLE001 - reported; the host takes the other path
+        return {"error": f"{type(e).__name__}: {e}"}, []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return {"walker": "fast", "pid": os.getpid()}, [xml.encode()]
+
+
 def handle(req: dict) -> tuple[dict, list[bytes]]:
     op = req.get("op")
     if op == "ping":
         return {"pid": os.getpid()}, []
+    if op == "a11y_tree":
+        return a11y_tree(req)
     if op == "screenshot":
         from Xlib import X
 
