@@ -5,7 +5,8 @@
     bunshin ws start|exec|ls|fork|stop  manage workspaces by hand
     bunshin snap ls|rm|flatten          snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
-    bunshin bench workspace --json P    benchmarks (also: fork, rollout, env --env ID, containment, soak)
+    bunshin bench workspace --json P    benchmarks (also: fork, rollout, epoch, env --env ID, containment,
+                                        soak, serve, cluster, density)
     bunshin demo                        start, run, fork: what a workspace can do
     bunshin train [options]             GRPO (TRL) over the envs: the main job
     bunshin serve [--host H] [--port N] [--token-file F]   E2B-compatible sandboxes and envs as a service
@@ -195,6 +196,16 @@ def _cmd_bench(args) -> int:
 
         doc = serve.run(args.json, desktop="desktop" in (args.envs or "shell,desktop"))
         return 0 if doc["throughput"]["errors"] == 0 else 1
+    if args.name == "density":
+        from bunshin_gym.bench import density
+
+        cfg = density.DensityConfig(modes=tuple((args.modes or ",".join(density.MODES)).split(",")),
+                                    group=args.group or 16, max_desktops=args.max_desktops,
+                                    period_s=args.period)
+        doc = density.run(args.json, cfg)
+        if args.json:
+            density.plot(doc, args.plot or args.json.rsplit(".", 1)[0] + ".png")
+        return 0
     if args.name == "cluster":
         from bunshin_gym.bench import cluster
 
@@ -282,19 +293,21 @@ def parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="run a benchmark")
     be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve",
-                                        "cluster"])
+                                        "cluster", "density"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
     be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
     be.add_argument("--modes", default=None,
                     help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
                          "epoch: rollout modes (default copy-base,share-base,spec,full); "
+                         "density: default share,share+ksm,copy; "
                          "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1)")
     be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
     be.add_argument("--epochs", type=int, default=None, help="rollout, epoch: epochs per mode (default 3)")
-    be.add_argument("--group", type=int, default=None, help="rollout, epoch: GRPO group size G (default 4)")
+    be.add_argument("--group", type=int, default=None,
+                    help="rollout, epoch: GRPO group size G (default 4); density: clones forked at a time (default 16)")
     be.add_argument("--tasks", type=int, default=None, help="epoch: number of tasks (default 4)")
     be.add_argument("--quick", action="store_true", help="epoch: smoke-test size (2 tasks, G=2, 2 epochs)")
     be.add_argument("--paper", action="store_true", help="epoch: the paper's size (8 tasks, G=8, 3 epochs)")
@@ -314,6 +327,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")
     be.add_argument("--envs", default=None, help="soak: env kinds of the mixed workload (default shell,desktop,web)")
     be.add_argument("--nodes", default=None, help="cluster: simulated host counts (default 1,2,3)")
+    be.add_argument("--max-desktops", type=int, default=400, help="density: stop at this many live desktops")
+    be.add_argument("--period", type=float, default=10.0, help="density: seconds between two steps of a desktop")
     be.set_defaults(fn=_cmd_bench)
 
     sub.add_parser("demo", help="start, run and fork a workspace").set_defaults(fn=_cmd_demo)
