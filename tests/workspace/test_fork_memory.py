@@ -24,7 +24,7 @@ def test_madv_dontneed_reads_zeros_in_clone(mode):
     """A C program maps and fills anonymous memory; it is snapshotted and forked; in the
     clone it drops the memory with MADV_DONTNEED and must read zeros.
 
-    map-anon is documented UNSAFE (bunshin_gym/workspace/memory.py): its anonymous memory
+    map-anon is documented UNSAFE (bunshin_gym/workspace/memory/map_anon.py): its anonymous memory
     is a private mapping of the page image, so the dropped pages read back the image's
     content. For it this test asserts that KNOWN VIOLATION (non-zero bytes), so that a
     change in that behaviour is noticed; it is not a property anyone should rely on.
@@ -46,7 +46,7 @@ def test_madv_dontneed_reads_zeros_in_clone(mode):
             assert result["refill_bad"] == 0
             if mode == "map-anon":
                 # KNOWN VIOLATION of Linux semantics, documented for the unsafe opt-in mode
-                assert result["after_nonzero"] > 0, "map-anon now reads zeros: update memory.py and this test"
+                assert result["after_nonzero"] > 0, "map-anon now reads zeros: update memory/map_anon.py and this test"
             else:
                 assert result["after_nonzero"] == 0, (
                     f"{mode}: {result['after_nonzero']} bytes are non-zero after MADV_DONTNEED in a clone")

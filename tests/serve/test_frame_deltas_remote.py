@@ -1,0 +1,105 @@
+"""Screenshots of a desktop RemoteEnv travel as frame deltas, and every one the client gets
+is byte-for-byte the server env's own: checked against a second handle on the same env that
+receives whole screenshots, across steps, a lost answer, two clients, a clone, a reset and a
+rollback."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+import bunshin_gym  # noqa: F401 - registers the envs
+from bunshin_gym.remote import RemoteEnv
+
+from .conftest import ALICE
+
+ENV = "Bunshin-OSWorld-v0"
+KW = dict(action_space="computer_13", require_a11y_tree=False, wait_seconds=0.0)
+WAIT = {"action_type": "WAIT"}
+
+
+def shot(env: RemoteEnv, action: dict = WAIT) -> np.ndarray:
+    obs, _, _, _, info = env.step(action)
+    assert "error" not in info, info["error"]
+    return obs["screenshot"]
+
+
+def exact_now(env: RemoteEnv, truth: RemoteEnv) -> np.ndarray:
+    """``env``'s screenshot now, checked against whole screenshots of the same env taken just
+    before and after it (once the screen stands still: a screenshot depends on the state only)."""
+    for _ in range(20):
+        before, got, after = shot(truth), shot(env), shot(truth)
+        if before.tobytes() == after.tobytes():
+            assert got.tobytes() == before.tobytes(), "a delta-built screenshot is not the env's"
+            assert got.dtype == before.dtype and got.shape == before.shape
+            return got
+    raise AssertionError("the screen never stood still")
+
+
+def wire_ref(server, env: RemoteEnv, action: dict) -> tuple[dict, int]:
+    """Step ``env`` outside its handle, naming the frames the handle holds, and throw the
+    answer away (a lost answer); returns the screenshot's reference and the answer's size."""
+    with server.client() as c:
+        r = c.post(f"/envs/{env.remote_id}/step", json={"action": action, "frames": env._held.ids()})
+    assert r.status_code == 200, r.text
+    (n,) = struct.unpack(">I", r.content[4:8])
+    return json.loads(r.content[8:8 + n])["value"]["observation"]["screenshot"], len(r.content)
+
+
+@pytest.mark.slow
+def test_desktop_screenshots_as_deltas_are_the_env_s_own(server, opts):
+    env = gym.make(ENV, server=server.url, token=ALICE, **KW)
+    envs, views = [env], []  # envs are closed at the end; views (more handles on them) let go
+    try:
+        obs, _ = env.reset(options={"task": "osworld/editor-append-item"})
+        truth = RemoteEnv.attach(ENV, server.url, env.remote_id, token=ALICE, frame_deltas=False)
+        views.append(truth)
+        first = exact_now(env, truth)
+        assert not first.flags.writeable
+        assert shot(env) is first, "an unchanged screenshot is not sent again: the same array comes back"
+
+        typed = shot(env, {"action_type": "TYPING", "text": "delta"})
+        assert typed.tobytes() != first.tobytes()
+        exact_now(env, truth)
+
+        ref, size = wire_ref(server, env, {"action_type": "TYPING", "text": " lost"})
+        assert ref["codec"] == "zstd-rows" and size < 100_000, (ref["codec"], size)  # a 6 MB screenshot
+        after_loss = exact_now(env, truth)  # a delta against the base the handle still holds
+
+        other = RemoteEnv.attach(ENV, server.url, env.remote_id, token=ALICE)  # a second client
+        views.append(other)
+        assert exact_now(other, truth).tobytes() == after_loss.tobytes()
+        shot(env, {"action_type": "TYPING", "text": " two"})
+        exact_now(other, truth)
+        exact_now(env, truth)
+
+        (clone,) = env.clone(1)
+        envs.append(clone)
+        assert shot(clone) is env._held.get("/observation/screenshot")[1], \
+            "a clone's first screenshot is a delta against its parent's"
+        clone_truth = RemoteEnv.attach(ENV, server.url, clone.remote_id, token=ALICE, frame_deltas=False)
+        views.append(clone_truth)
+        shot(clone, {"action_type": "TYPING", "text": " clone"})
+        mine = exact_now(clone, clone_truth)
+        assert exact_now(env, truth).tobytes() != mine.tobytes(), "the clone went its own way"
+
+        obs, _ = env.reset(options={"task": "osworld/editor-append-item"})
+        exact_now(env, truth)
+        snap = env.snapshot()
+        shot(env, {"action_type": "TYPING", "text": " gone"})
+        back = env.rollback(snap)["screenshot"]
+        exact_now(env, truth)
+        assert back.dtype == np.uint8 and back.shape == first.shape
+
+        with server.client() as c:
+            r = c.post(f"/envs/{env.remote_id}/step", json={"action": WAIT, "frames": ["not", "a", "map"]})
+        assert r.status_code == 400 and "frames must be" in r.json()["message"]
+    finally:
+        for view in views:
+            view.detach()
+        for e in envs:
+            e.close()
