@@ -134,7 +134,18 @@ class XScreen:
 
     def capture(self) -> np.ndarray:
         """The whole screen as an RGB (height, width, 3) uint8 array."""
-        return np.ascontiguousarray(self.capture_bgrx()[:, :, 2::-1])
+        return bgrx_to_rgb(self.capture_bgrx())
+
+
+def bgrx_to_rgb(bgrx: np.ndarray) -> np.ndarray:
+    """A new C-contiguous RGB array from an (h, w, 4) BGRX one. One channel at a time: numpy
+    copies a reversed 3-of-4 slice (``ascontiguousarray(bgrx[..., 2::-1])``) element by element,
+    about 4x slower on a 1920x1080 frame (~35 ms of CPU, most of a desktop step)."""
+    rgb = np.empty((*bgrx.shape[:2], 3), np.uint8)
+    rgb[..., 0] = bgrx[..., 2]
+    rgb[..., 1] = bgrx[..., 1]
+    rgb[..., 2] = bgrx[..., 0]
+    return rgb
 
 
 def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
