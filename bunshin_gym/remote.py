@@ -68,7 +68,12 @@ class _Connection:
         self.users = 0
         self.lock = threading.Lock()
 
-    def request(self, method: str, path: str, body: dict | None = None, held: HeldFrames | None = None) -> Any:
+    def request(self, method: str, path: str, body: dict | None = None, held: HeldFrames | None = None,
+                timing: dict[str, float] | None = None) -> Any:
+        """One request; its answer's value. ``held``: the frames deltas apply to; ``timing``
+        gets where the time went: ``request_s`` (the whole call), ``decode_s`` (here) and
+        ``encode_s`` (on the server, from its Server-Timing header)."""
+        t0 = time.perf_counter()
         try:
             r = self.http.request(method, path, json=body)
         except httpx.HTTPError as e:
@@ -83,9 +88,14 @@ class _Connection:
             if r.status_code == 409 and error.get("error") == "ResetNeeded":
                 raise ResetNeeded(message)  # as the local env raises it: a step after the episode's end
             raise RemoteError(f"{method} {path}: {r.status_code}: {message}", r.status_code)
-        if r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
-            return codec.decode(r.content, held)
-        return r.json() if r.content else None
+        if not r.headers.get("content-type", "").startswith(codec.MEDIA_TYPE):
+            return r.json() if r.content else None
+        t1 = time.perf_counter()
+        value = codec.decode(r.content, held)
+        if timing is not None:
+            done = time.perf_counter()
+            timing.update(request_s=done - t0, decode_s=done - t1, **_server_timing(r.headers.get("server-timing")))
+        return value
 
     def release(self) -> None:
         with self.lock:
@@ -138,7 +148,8 @@ class RemoteEnv(gym.Env):
         self.action_space = codec.space_from_json(desc["action_space"]) or gym.spaces.Space()
         self._desc = desc
         self._closed = False
-        #: timings of the last step as the server measured them (``step_s``, ...)
+        #: timings of the last step: the server's own (``step_s``, ...), the server's encoding of
+        #: the answer (``encode_s``), its decoding here (``decode_s``) and the whole call (``request_s``)
         self.last_step_timing: dict[str, float] = {}
         self._stop = threading.Event()
         idle = desc.get("idle_timeout") or 0
@@ -153,14 +164,13 @@ class RemoteEnv(gym.Env):
         path = f"/envs/{self.remote_id}" + (f"/{what}" if what else "")
         return self._conn.request(method, path, body)
 
-    def _observe(self, what: str, body: dict) -> dict:
+    def _observe(self, what: str, body: dict, timing: dict | None = None) -> dict:
         """A request whose answer carries an observation: it names the arrays held here."""
-        if self._held is None:
-            return self._call("POST", what, body)
         if self._closed:
             raise RemoteError(f"RemoteEnv {self.remote_id} is closed")
-        return self._conn.request("POST", f"/envs/{self.remote_id}/{what}", {**body, "frames": self._held.ids()},
-                                  self._held)
+        if self._held is not None:
+            body = {**body, "frames": self._held.ids()}
+        return self._conn.request("POST", f"/envs/{self.remote_id}/{what}", body, self._held, timing)
 
     # gymnasium API ---------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -169,8 +179,10 @@ class RemoteEnv(gym.Env):
         return out["observation"], out["info"]
 
     def step(self, action: Any):
-        out = self._observe("step", {"action": action})
-        self.last_step_timing = out.get("timing") or {}
+        timing: dict[str, float] = {}
+        out = self._observe("step", {"action": action}, timing)
+        # the server's own timing of the step (step_s, ...), and where the rest went
+        self.last_step_timing = {**(out.get("timing") or {}), **timing}
         return out["observation"], out["reward"], out["terminated"], out["truncated"], out["info"]
 
     def close(self) -> None:
@@ -208,7 +220,7 @@ class RemoteEnv(gym.Env):
 
     @classmethod
     def attach(cls, env_id: str, server: str, remote_id: str, *, token: str | None = None,
-               timeout: float = 600.0) -> RemoteEnv:
+               timeout: float = 600.0, frame_deltas: bool = True) -> RemoteEnv:
         """A handle on env ``remote_id`` already made on ``server`` (by this token's owner),
         e.g. in another process. Its spaces are those of ``env_id``'s local registration."""
         conn = _Connection(server, token, timeout)
@@ -223,7 +235,7 @@ class RemoteEnv(gym.Env):
         except BaseException:
             conn.http.close()
             raise
-        return cls(env_id, server, _attach=(conn, {"id": remote_id, **spaces}))
+        return cls(env_id, server, _attach=(conn, {"id": remote_id, **spaces}), frame_deltas=frame_deltas)
 
     # fork API --------------------------------------------------------------------------
     def clone(self, n: int = 1, *, lazy: bool = False) -> list[RemoteEnv]:
@@ -294,6 +306,22 @@ class RemoteGroup:
                 self._conn.request("DELETE", f"/envs/groups/{self.remote_id}")
             finally:
                 self._conn.release()
+
+
+def _server_timing(header: str | None) -> dict[str, float]:
+    """``encode;dur=1.234, x;dur=5`` -> {"encode_s": 0.001234, "x_s": 0.005}; what is not
+    understood is left out (the header is informative only)."""
+    out = {}
+    for metric in (header or "").split(","):
+        name, _, params = metric.strip().partition(";")
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key == "dur" and name:
+                try:
+                    out[f"{name}_s"] = float(value) / 1e3
+                except ValueError:
+                    pass
+    return out
 
 
 def wait_for_server(url: str, proc=None, timeout: float = 60.0) -> None:

@@ -3,8 +3,12 @@
 - shell step latency: the same shell env and action (``true``) in-process and as a
   RemoteEnv over loopback, rounds interleaved; the goal is at most 5 ms added at the median;
   the round trip of an authenticated no-op request is measured too (what HTTP costs here);
-- desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot) in both
-  ways; the goal is a remote median at most 1.2x the in-process one;
+- desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot) in-process,
+  as a RemoteEnv (screenshots as frame deltas) and as a RemoteEnv receiving whole screenshots
+  (``frame_deltas=False``, what the deltas save), rounds interleaved; the goal is a remote
+  median at most 1.2x the in-process one. Where the remote time goes is measured at both
+  ends: the env's step in the server, the server's encoding of the answer (its
+  ``Server-Timing`` header), the client's decoding, and the rest (HTTP, threads, JSON);
 - fork of 16: ``Sandbox.fork(count=16)`` through the E2B SDK against ``snapshot().fork(16)``
   of a workspace in-process (one freeze, 16 copies, both);
 - throughput: 64 client threads, each stepping its own RemoteEnv (a clone of one env) as fast
@@ -23,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,11 +72,13 @@ class _Server:
         self.log.close()
 
 
-def _steps(env: gym.Env, actions: list, timings: list[float]) -> None:
+def _steps(env: gym.Env, actions: list, timings: list[float], parts: list[dict] | None = None) -> None:
     for a in actions:
         t0 = time.perf_counter()
         _, _, _, _, info = env.step(a)
         timings.append(time.perf_counter() - t0)
+        if parts is not None:
+            parts.append(dict(env.unwrapped.last_step_timing))
         if "error" in info:
             raise RuntimeError(f"step {a!r} failed: {info['error']}")
 
@@ -85,6 +92,23 @@ def _interleaved(local: gym.Env, remote: gym.Env, actions: list, rounds: int) ->
         _steps(local, actions, loc)
         _steps(remote, actions, rem)
     return loc, rem
+
+
+def breakdown(parts: list[dict]) -> dict:
+    """Medians (ms) of where a remote step's time went: the env's step in the server
+    (``server_step``), encoding the answer there, decoding it here, and the rest of the
+    call (HTTP on both ends, the server's thread hop, JSON): ``request - the three``."""
+    def med(xs: list[float]) -> float:
+        return round(statistics.median(xs) * 1e3, 3)
+
+    keys = ("step_s", "encode_s", "decode_s", "request_s")
+    parts = [p for p in parts if all(k in p for k in keys)]
+    if not parts:
+        return {}
+    return {"server_step_ms": med([p["step_s"] for p in parts]),
+            "server_encode_ms": med([p["encode_s"] for p in parts]),
+            "client_decode_ms": med([p["decode_s"] for p in parts]),
+            "rest_ms": med([p["request_s"] - p["step_s"] - p["encode_s"] - p["decode_s"] for p in parts])}
 
 
 def shell_step(server: _Server, steps: int, rounds: int) -> dict:
@@ -113,17 +137,29 @@ def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
     kwargs = dict(action_space="computer_13", require_a11y_tree=False, max_steps=10**6)
     local = gym.make("Bunshin-OSWorld-v0", **kwargs)
     remote = gym.make("Bunshin-OSWorld-v0", server=server.url, token=server.token, **kwargs)
+    whole = gym.make("Bunshin-OSWorld-v0", server=server.url, token=server.token, frame_deltas=False, **kwargs)
+    envs = (local, remote, whole)
+    times: tuple[list[float], ...] = ([], [], [])
+    parts: tuple[list[dict], ...] = ([], [])
     try:
-        local.reset(options={"task": DESKTOP_TASK})
-        remote.reset(options={"task": DESKTOP_TASK})
+        for env in envs:
+            env.reset(options={"task": DESKTOP_TASK})
         actions = [{"action_type": "MOVE_TO", "x": 200 + 40 * (i % 20), "y": 700 + 10 * (i % 7)} if i % 2 else
                    {"action_type": "PRESS", "key": "shift"} for i in range(steps)]
-        loc, rem = _interleaved(local, remote, actions, rounds)
+        for env in envs:
+            _steps(env, actions[:3], [])  # warm: connections, first requests, the first whole frame
+        for _ in range(rounds):
+            _steps(local, actions, times[0])
+            _steps(remote, actions, times[1], parts[0])
+            _steps(whole, actions, times[2], parts[1])
     finally:
-        local.close()
-        remote.close()
-    out = {"in_process": summary(loc), "remote": summary(rem)}
-    out["ratio_median"] = round(out["remote"]["median_ms"] / out["in_process"]["median_ms"], 3)
+        for env in envs:
+            env.close()
+    out = {"in_process": summary(times[0]), "remote": summary(times[1]), "remote_whole_frames": summary(times[2]),
+           "remote_breakdown": breakdown(parts[0]), "remote_whole_frames_breakdown": breakdown(parts[1])}
+    local_ms = out["in_process"]["median_ms"]
+    out["ratio_median"] = round(out["remote"]["median_ms"] / local_ms, 3)
+    out["ratio_median_whole_frames"] = round(out["remote_whole_frames"]["median_ms"] / local_ms, 3)
     out["goal_ratio_median"] = 1.2
     return out
 
@@ -236,10 +272,17 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
         d = results["desktop_step"]
         rows.append(["desktop step", d["in_process"]["median_ms"], d["remote"]["median_ms"],
                      f"{d['ratio_median']}x (goal <= 1.2x)"])
+        rows.append(["  whole frames", d["in_process"]["median_ms"], d["remote_whole_frames"]["median_ms"],
+                     f"{d['ratio_median_whole_frames']}x (no deltas)"])
     f = results["fork"]
     rows.append([f"fork {fork_n}", f["in_process"]["median_ms"], f["api_e2b_sdk"]["median_ms"],
                  f"{f['ratio_median']}x"])
     print(table(rows, ["median ms", "in-process", "through the server", ""]))
+    if desktop:
+        parts = [["frame deltas", *d["remote_breakdown"].values()],
+                 ["whole frames", *d["remote_whole_frames_breakdown"].values()]]
+        print("\nwhere a remote desktop step's time went (medians, ms)")
+        print(table(parts, ["", "server step", "server encode", "client decode", "HTTP and the rest"]))
     t = results["throughput"]
     print(f"\n{t['clients']} clients: {t['steps_per_s']} steps/s over {t['seconds']} s, {t['errors']} errors")
     return write("serve", results, json_path)

@@ -80,9 +80,11 @@ class GroupLease(Lease):
             group.close()
 
 
-def frame(data: bytes) -> Response:
-    """An answer holding an encoded frame (:func:`bunshin_gym.serve.codec.encode`)."""
-    return Response(content=data, media_type=codec.MEDIA_TYPE)
+def frame(data: bytes, encode_s: float | None = None) -> Response:
+    """An answer holding an encoded frame (:func:`bunshin_gym.serve.codec.encode`); the time
+    its encoding took goes in a standard ``Server-Timing`` header (what the client profiles)."""
+    headers = {"Server-Timing": f"encode;dur={encode_s * 1e3:.3f}"} if encode_s is not None else None
+    return Response(content=data, media_type=codec.MEDIA_TYPE, headers=headers)
 
 
 def bases_of(body: dict) -> dict[str, str] | None:
@@ -96,11 +98,12 @@ def bases_of(body: dict) -> dict[str, str] | None:
     return held
 
 
-def encode_for(lease: EnvLease, value: dict, bases: dict[str, str] | None) -> bytes:
-    """An env's answer, its large arrays as deltas against ``bases`` when the client names any."""
-    if bases is None:
-        return codec.encode(value)
-    return codec.encode(value, store=lease.frames, bases=bases)
+def encode_for(lease: EnvLease, value: dict, bases: dict[str, str] | None) -> tuple[bytes, float]:
+    """An env's answer, its large arrays as deltas against ``bases`` when the client names
+    any, and the seconds encoding it took."""
+    t0 = time.perf_counter()
+    data = codec.encode(value) if bases is None else codec.encode(value, store=lease.frames, bases=bases)
+    return data, time.perf_counter() - t0
 
 
 def router(service) -> APIRouter:
@@ -187,11 +190,11 @@ def router(service) -> APIRouter:
             raise ServeError(f"seed must be an integer, got {seed!r}", 400)
         bases = bases_of(body)
 
-        def work() -> bytes:
+        def work() -> tuple[bytes, float]:
             obs, info = _locked(lease, lambda: lease.env.reset(seed=seed, options=body.get("options")))
             return encode_for(lease, {"observation": obs, "info": info}, bases)
 
-        return frame(await asyncio.to_thread(work))
+        return frame(*await asyncio.to_thread(work))
 
     @r.post("/{env_id}/step")
     async def step(env_id: str, request: Request, who: Principal = auth) -> Response:
@@ -201,14 +204,14 @@ def router(service) -> APIRouter:
             raise ServeError("the body needs an action", 400)
         bases = bases_of(body)
 
-        def work() -> bytes:
+        def work() -> tuple[bytes, float]:
             # the frame is encoded here too: comparing a screenshot must not hold the event loop
             obs, reward, terminated, truncated, info = _locked(lease, lease.env.step, body["action"])
             return encode_for(lease, {"observation": obs, "reward": float(reward), "terminated": bool(terminated),
                                       "truncated": bool(truncated), "info": info,
                                       "timing": getattr(lease.env, "last_step_timing", {})}, bases)
 
-        return frame(await asyncio.to_thread(work))
+        return frame(*await asyncio.to_thread(work))
 
     def _clone(lease: EnvLease, n: int, lazy: bool) -> list[EnvLease]:
         who = lease.owner
@@ -252,11 +255,11 @@ def router(service) -> APIRouter:
             snap = lease.snapshots.get(snap_id)
             if snap is None:
                 raise NotFound(f"no snapshot {snap_id!r} of env {env_id} or its clones")
-        def work() -> bytes:
+        def work() -> tuple[bytes, float]:
             obs = _locked(lease, lambda: lease.env.rollback(snap))
             return encode_for(lease, {"observation": obs, "steps": lease.env.unwrapped.steps}, bases)
 
-        return frame(await asyncio.to_thread(work))
+        return frame(*await asyncio.to_thread(work))
 
     # groups ------------------------------------------------------------------------------
     caches: dict[str, Any] = {}  # owner -> PrefixCache: shared by an owner's groups, across epochs

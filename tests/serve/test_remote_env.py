@@ -108,6 +108,9 @@ def test_bad_requests_get_clear_errors_and_leave_nothing(server, opts):
                 assert r.status_code == 400 and json.loads(r.text)["message"], r.text
             assert c.post(f"/envs/{env.remote_id}/clone", json={"n": 0}).status_code == 400
             assert c.post(f"/envs/{env.remote_id}/reset", json={"seed": "x"}).status_code == 400
+            for frames in ([], {"/observation/screenshot": 3}, "f-1"):  # the arrays a client holds, by place
+                r = c.post(f"/envs/{env.remote_id}/step", json={"action": "true", "frames": frames})
+                assert r.status_code == 400 and "frames must be" in r.json()["message"], r.text
         with pytest.raises(RemoteError, match="400: task '/etc/hostname'"):
             env.reset(options={"task": "/etc/hostname"})
         # a malformed action is the env's business: an error in info, the episode goes on
