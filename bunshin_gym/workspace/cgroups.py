@@ -16,11 +16,14 @@ import stat
 import time
 from pathlib import Path
 
-from bunshin_gym.config import Limits, cgroup_root
+from bunshin_gym.config import Limits, cgroup_root, paths
 from bunshin_gym.workspace.errors import WorkspaceError
 
 CGROOT = cgroup_root()
 PARENT = "bunshin"
+#: the run directory the environment named when CGROOT was read: the records that name this
+#: process's workspace cgroups are there (``gc`` sweeps cgroups against no other)
+RUN_DIR = paths().run
 
 
 def unified() -> bool:

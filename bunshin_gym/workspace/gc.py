@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from bunshin_gym.config import Paths, criu_env, paths
+from bunshin_gym.config import Paths, cgroup_root, criu_env, paths
 from bunshin_gym.workspace import cgroups, dumping, memory, pool, records, snapview
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import WorkspaceError
@@ -31,9 +31,27 @@ class GcReport:
         return sum(len(v) for v in vars(self).values())
 
 
+def sweep_refusal(p: Paths) -> str | None:
+    """Why sweeping what no record names would be unsafe here (None: it is safe).
+
+    A sweep kills every cgroup under this process's cgroup root, and deletes every subvolume
+    and snapshot of ``p``'s pool, that ``p``'s records do not name. The cgroup root is read
+    once, at import (``cgroups.CGROOT``), with the run directory of that moment: a caller that
+    changed ``BUNSHIN_RUN`` or ``BUNSHIN_CGROUP_ROOT`` since, or passes another run directory,
+    would see every live workspace of the machine as left over, and kill it."""
+    if p.run != cgroups.RUN_DIR:
+        return f"the run directory {p.run} is not the one this process started with ({cgroups.RUN_DIR})"
+    if cgroup_root() != cgroups.CGROOT:
+        return (f"BUNSHIN_CGROUP_ROOT is {cgroup_root()} now, but this process's cgroups are under "
+                f"{cgroups.CGROOT} (read at start)")
+    return None
+
+
 def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport:
     """Reclaim workspaces whose controller died (or all, with ``all_workspaces``), then sweep
-    subvolumes and cgroups that no record names."""
+    subvolumes, cgroups and snapshots that no record names: only with the run directory and
+    cgroup root this process started with (:func:`sweep_refusal`; run ``bunshin gc`` with the
+    other environment instead)."""
     p = p or paths()
     rep = GcReport()
     for rec in records.all_records(p):  # a clone whose uffd monitor died is stopped (then reclaimed below)
@@ -46,6 +64,10 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
             reclaim(rec, p)
             rep.workspaces.append(rec.id)
     rep.workspaces += memory.registry.collect(p, reclaim)
+    if (why := sweep_refusal(p)) is not None:
+        log.warning("gc: reclaimed the workspaces of %s's records; not sweeping what no record names: %s",
+                    p.run, why)
+        return rep
     # a record is written before its subvolume and cgroup, so reading records after listing
     # them never sweeps a workspace that is being created (nor one a rollback moved into a
     # subvolume and cgroup named after the restore)
