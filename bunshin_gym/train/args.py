@@ -21,8 +21,13 @@ class Args:
     env_id: str = arg("Bunshin-Shell-v0", "env to train in")
     api: str = arg("rollout_func", "how TRL drives the env: 'rollout_func' (bunshin's group rollouts, token-exact) or "
                    "'environment_factory' (TRL's own tool loop over bunshin_gym.integrations.trl's env classes)")
+    screen_size: str = arg("", "desktop env: the screen as WxH, e.g. 800x600 (default: the env's 1920x1080)")
+    a11y_tree: bool = arg(True, "desktop env: show the accessibility tree as text (a vision-language policy "
+                          "sees the screenshot either way)")
     tasks: str = arg("all", "comma-separated task ids, or 'all' (the env's shipped task set)")
-    policy: str = arg("tiny", "'tiny' (built here, offline) or the path of a local Hugging Face causal LM")
+    policy: str = arg("tiny", "'tiny' (built here, offline), 'tiny-vl' (a tiny vision-language Qwen3-VL built here, "
+                      "offline, for desktop screenshots; needs --api environment_factory) or the path of a local "
+                      "Hugging Face causal LM or image-text-to-text model")
     server_url: str = arg("", "OpenAI-compatible server (vLLM...) to sample rollouts from, e.g. http://127.0.0.1:8000/v1")
     server_model: str = arg("", "the served model's name (with --server-url)")
     steps: int = arg(20, "GRPO steps")

@@ -36,7 +36,7 @@ from bunshin_gym.train import report as reporting
 from bunshin_gym.train.args import Args, add_arguments, args_from
 from bunshin_gym.train.chat import COMPACT_SYSTEM, ChatFormat
 from bunshin_gym.train.policies import LocalGenerator, OpenAICompatibleGenerator, load_hf_policy
-from bunshin_gym.train.rewards import env_reward, tool_format_reward
+from bunshin_gym.train.rewards import env_reward, tool_call_reward, tool_format_reward
 from bunshin_gym.train.rollout import BunshinRollout, peak_rss_mb, tasks_dataset
 from bunshin_gym.train.tiny import build_tiny_policy, shell_corpus
 from bunshin_gym.train.tools import adapter_for
@@ -53,6 +53,11 @@ def main(args: Args) -> dict:
     if args.api not in API_CHOICES:
         raise ValueError(f"--api must be 'rollout_func' or 'environment_factory', not {args.api!r}")
     factory_api = args.api == "environment_factory"
+    if not factory_api and is_vl_policy(args.policy):
+        raise ValueError(f"--policy {args.policy} is a vision-language model: TRL {trl_version()} carries no images "
+                         "from a rollout_func into its loss pass, so train it with --api environment_factory "
+                         "(its reset and tool results carry the screenshots)")
+    env_options(args)  # bad desktop options fail here, before anything is built
     t_start = time.perf_counter()
     quiet_libraries()
     seed_everything(args.seed, args.threads)
@@ -81,11 +86,18 @@ def main(args: Args) -> dict:
         first_train = len(engine.rollout.history)
         trainer = make_trainer(args, engine, model, proc, task_ids, out)
         start = [p.detach().clone() for p in model.parameters()]
+        probe = vision_probe(model) if fmt.multimodal else None
         t0 = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            if probe is not None:
+                probe.detach()
         train_wall = time.perf_counter() - t0
         update_norm = float(sum((p.detach() - q).pow(2).sum()
                                 for p, q in zip(model.parameters(), start, strict=True)) ** 0.5)
+        if probe is not None:
+            report["vision"] = vision_report(probe, model, start)
         trainer.progress_bar.close()
         report["eval"]["after"] = evaluate(args, engine, task_ids, "after", say)
 
@@ -124,6 +136,53 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
 
 
+def trl_version() -> str:
+    import trl
+
+    return trl.__version__
+
+
+def is_vl_policy(policy: str) -> bool:
+    from bunshin_gym.train.tiny_vl import is_vl_model_dir
+
+    return policy == "tiny-vl" or (policy != "tiny" and is_vl_model_dir(policy))
+
+
+def env_options(args: Args) -> dict:
+    """``gym.make`` arguments of the env from the desktop options (other envs take none)."""
+    if args.env_id != "Bunshin-OSWorld-v0":
+        if args.screen_size or not args.a11y_tree:
+            raise ValueError("--screen-size and --no-a11y-tree are options of the desktop env (Bunshin-OSWorld-v0)")
+        return {}
+    opts: dict[str, Any] = {"require_a11y_tree": args.a11y_tree}
+    if args.screen_size:
+        try:
+            w, h = (int(v) for v in args.screen_size.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--screen-size must be WxH, e.g. 800x600, not {args.screen_size!r}") from None
+        opts["screen_size"] = (w, h)
+    return opts
+
+
+def vision_probe(model: Any) -> Any:
+    from bunshin_gym.train.vision import VisionProbe
+
+    return VisionProbe(model).attach()
+
+
+def vision_report(probe: Any, model: Any, start: list) -> dict:
+    """How many screenshots the vision tower encoded in the loss pass (gradients on) and in
+    generation, and how far the GRPO steps moved its weights."""
+    from bunshin_gym.train.vision import vision_tower
+
+    tower = {id(p) for p in vision_tower(model).parameters()}
+    moved = sum(float((p.detach() - q).pow(2).sum())
+                for p, q in zip(model.parameters(), start, strict=True) if id(p) in tower)
+    grids = probe.images(grad=True)
+    return {"images_loss_pass": len(grids), "images_generation": len(probe.images(grad=False)),
+            "grids_loss_pass": sorted({tuple(g) for g in grids}), "vision_update_norm": moved ** 0.5}
+
+
 def seed_everything(seed: int, threads: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -145,7 +204,22 @@ def task_ids_of(args: Args) -> list[str]:
 
 def load_policy(args: Args, tasks: list[Any], adapter: Any, out: Path) -> tuple[Any, Any, ChatFormat]:
     """The model, its processor and the chat format: the tiny policy is built here, on a corpus
-    of the tasks' own text (it has no tool schemas in its prompt: they would not fit)."""
+    of the tasks' own text (it has no tool schemas in its prompt: they would not fit); the tiny
+    vision-language policy on what TRL's prompts for the env class hold."""
+    from bunshin_gym.train.tiny_vl import build_tiny_vl_policy, is_vl_model_dir, load_vl_policy
+
+    if args.policy == "tiny-vl":
+        from bunshin_gym.integrations.trl import environment_class
+        from bunshin_gym.train.vision import desktop_corpus
+
+        corpus = desktop_corpus(environment_class(args.env_id), tasks)
+        path = build_tiny_vl_policy(corpus, out / "tiny-vl-policy", hidden=args.tiny_hidden, layers=args.tiny_layers,
+                                    seed=args.seed)
+        model, proc = load_vl_policy(path)
+        return model, proc, ChatFormat(proc, tools=adapter.tools)
+    if args.policy != "tiny" and is_vl_model_dir(args.policy):
+        model, proc = load_vl_policy(args.policy)
+        return model, proc, ChatFormat(proc, tools=adapter.tools)
     if args.policy == "tiny":
         path = build_tiny_policy(shell_corpus(tasks, adapter) + [COMPACT_SYSTEM], out / "tiny-policy",
                                  hidden=args.tiny_hidden, layers=args.tiny_layers, seed=args.seed)
@@ -186,7 +260,8 @@ class Engine:
         if args.api == "environment_factory":
             from bunshin_gym.integrations.trl import environment_class
 
-            env_cls = environment_class(args.env_id).configure(cache=cache, speculation=spec)
+            env_cls = environment_class(args.env_id).configure(cache=cache, speculation=spec,
+                                                               multimodal=fmt.multimodal, **env_options(args))
         evaluator = server or LocalGenerator(model, fmt, temperature=args.temperature)
         return cls(step_log, cache, spec, rollout, evaluator, env_cls)
 
@@ -206,6 +281,14 @@ def warm_start_phase(args: Args, engine: Engine, model: Any, proc: Any, fmt: Cha
     engine.step_log.epoch = "warm start (oracle)"
     if not args.warm_start_steps:
         oracle: list = []
+    elif engine.env_cls is not None and fmt.multimodal:
+        from bunshin_gym.train import vision
+
+        # the prompt TRL renders holds the reset's screenshot: fit the first call with its pixels
+        examples = vision.first_call_examples(engine.env_cls, proc, tasks)
+        losses = vision.warm_start(model, examples, steps=args.warm_start_steps, lr=args.warm_start_lr,
+                                   target_loss=args.warm_start_loss, seed=args.seed)
+        return warm_start_entry(examples, losses, t0, say)
     elif engine.env_cls is not None:
         from bunshin_gym.integrations.trl import first_call_examples
 
@@ -215,6 +298,10 @@ def warm_start_phase(args: Args, engine: Engine, model: Any, proc: Any, fmt: Cha
         oracle = oracle_episodes(engine.rollout, tasks)
     losses = warm_start(model, oracle, steps=args.warm_start_steps, lr=args.warm_start_lr, pad_id=fmt.pad_id,
                         target_loss=args.warm_start_loss, seed=args.seed)
+    return warm_start_entry(oracle, losses, t0, say)
+
+
+def warm_start_entry(oracle: list, losses: list[float], t0: float, say: Callable[..., None]) -> dict:
     entry = {"episodes": len(oracle), "oracle_reward": [getattr(e, "reward", None) for e in oracle],
              "steps": len(losses), "loss_first": losses[0] if losses else None,
              "loss_last": losses[-1] if losses else None, "wall_s": time.perf_counter() - t0}
@@ -287,7 +374,9 @@ def make_trainer(args: Args, engine: Engine, model: Any, proc: Any, task_ids: li
         num_generations=G, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
         beta=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
         seed=args.seed, dataloader_num_workers=0,
-        reward_weights=[1.0, args.format_reward] if args.format_reward and not factory_api else None,
+        # with environment_factory TRL appends the env class's get_reward (weight 1) after these
+        reward_weights=(([args.format_reward] if factory_api else [1.0, args.format_reward])
+                        if args.format_reward else None),
         max_tool_calling_iterations=args.max_turns,
     )
     bar = tqdm(total=args.steps, desc="GRPO", unit="step", disable=args.quiet)
@@ -295,7 +384,8 @@ def make_trainer(args: Args, engine: Engine, model: Any, proc: Any, task_ids: li
     if factory_api:
         from bunshin_gym.integrations.trl import task_rows
 
-        trainer = ScaledAdvantageGRPOTrainer(model=model, reward_funcs=None, args=config,
+        trainer = ScaledAdvantageGRPOTrainer(model=model, args=config,
+                                             reward_funcs=[tool_call_reward] if args.format_reward else None,
                                              train_dataset=task_rows(task_ids, repeats=repeats),
                                              processing_class=proc, environment_factory=engine.env_cls,
                                              callbacks=[StepProgress(bar, engine)])

@@ -51,6 +51,12 @@ def summary(report: dict) -> str:
             f"{t['speculation'].get('accuracy', 0):.3f}), {t['speculation'].get('skipped_cached', 0)} skipped: "
             f"cached, {t['speculation'].get('skipped_fast', 0)} skipped: fast",
             f"report: {report['files']['json']}  plot: {report['files']['png']}"]
+    vis = report.get("vision")
+    if vis:
+        grids = ", ".join("x".join(map(str, g)) for g in vis["grids_loss_pass"]) or "none"
+        out.insert(-1, f"screenshots: {vis['images_loss_pass']} encoded in the loss pass (patch grids {grids}), "
+                       f"{vis['images_generation']} in generation; vision tower moved by "
+                       f"{vis['vision_update_norm']:.3g} (L2)")
     return "\n".join(out)
 
 

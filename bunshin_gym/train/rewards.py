@@ -16,3 +16,14 @@ def tool_format_reward(completions: list, malformed: list[int] | None = None, tu
     if malformed is None or turns is None:
         return [0.0] * len(completions)
     return [1.0 - m / t if t else 0.0 for m, t in zip(malformed, turns, strict=True)]
+
+
+def tool_call_reward(completions: list, **kwargs) -> list[float]:
+    """Share of an episode's assistant turns that called a tool, for TRL's own tool loop
+    (``environment_factory``), whose completions are the episode's messages (optional shaping)."""
+    out = []
+    for messages in completions:
+        turns = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"] \
+            if isinstance(messages, list) else []
+        out.append(sum(1 for m in turns if m.get("tool_calls")) / len(turns) if turns else 0.0)
+    return out
