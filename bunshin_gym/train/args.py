@@ -28,8 +28,12 @@ class Args:
     policy: str = arg("tiny", "'tiny' (built here, offline), 'tiny-vl' (a tiny vision-language Qwen3-VL built here, "
                       "offline, for desktop screenshots; needs --api environment_factory) or the path of a local "
                       "Hugging Face causal LM or image-text-to-text model")
-    server_url: str = arg("", "OpenAI-compatible server (vLLM...) to sample rollouts from, e.g. http://127.0.0.1:8000/v1")
+    server_url: str = arg("", "sample rollouts from a server, e.g. http://127.0.0.1:8000/v1: TRL's vLLM server "
+                          "(trl vllm-serve; TRL pushes the weights every step; needs vllm and CUDA here), or with "
+                          "--server-off-policy any OpenAI-compatible one")
     server_model: str = arg("", "the served model's name (with --server-url)")
+    server_off_policy: bool = arg(False, "allow a --server-url whose weights nothing updates (not TRL's vLLM server): "
+                                  "its samples are off-policy")
     steps: int = arg(20, "GRPO steps")
     num_generations: int = arg(4, "G: episodes per GRPO group")
     groups_per_step: int = arg(0, "GRPO groups per step (0: one per task, so every step covers every task once)")

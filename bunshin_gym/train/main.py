@@ -38,6 +38,8 @@ from bunshin_gym.train.chat import COMPACT_SYSTEM, ChatFormat
 from bunshin_gym.train.policies import LocalGenerator, OpenAICompatibleGenerator, load_hf_policy
 from bunshin_gym.train.rewards import env_reward, tool_call_reward, tool_format_reward
 from bunshin_gym.train.rollout import BunshinRollout, peak_rss_mb, tasks_dataset
+from bunshin_gym.train.server import OFF_POLICY, TRL_VLLM, ServerInfo
+from bunshin_gym.train.server import choose as choose_server
 from bunshin_gym.train.tiny import build_tiny_policy, shell_corpus
 from bunshin_gym.train.tools import adapter_for
 from bunshin_gym.train.warmstart import load_tasks, oracle_episodes, warm_start
@@ -58,6 +60,7 @@ def main(args: Args) -> dict:
                          "from a rollout_func into its loss pass, so train it with --api environment_factory "
                          "(its reset and tool results carry the screenshots)")
     env_options(args)  # bad desktop options fail here, before anything is built
+    server = choose_server(args.server_url, off_policy_ok=args.server_off_policy, factory_api=factory_api)
     t_start = time.perf_counter()
     quiet_libraries()
     seed_everything(args.seed, args.threads)
@@ -74,8 +77,10 @@ def main(args: Args) -> dict:
         f"{len(task_ids)} tasks of {args.env_id}; output in {out}")
 
     # 2. the rollout engine ---------------------------------------------------------------------
-    engine = Engine.build(args, fmt, adapter, model, out)
-    report: dict = {"config": dataclasses.asdict(args), "tasks": task_ids, "out_dir": str(out)}
+    engine = Engine.build(args, fmt, adapter, model, out, server)
+    report: dict = {"config": dataclasses.asdict(args), "tasks": task_ids, "out_dir": str(out),
+                    "sampling": {"kind": server.kind if server else "local",
+                                 "detail": server.detail if server else "the trainer's own model"}}
     try:
         # 3. warm start from the oracle solutions ---------------------------------------------
         report["warm_start"] = warm_start_phase(args, engine, model, proc, fmt, tasks, adapter, say)
@@ -183,6 +188,13 @@ def vision_report(probe: Any, model: Any, start: list) -> dict:
             "grids_loss_pass": sorted({tuple(g) for g in grids}), "vision_update_norm": moved ** 0.5}
 
 
+def trl_vllm_options(server: ServerInfo | None) -> dict:
+    """GRPOConfig options: TRL's vLLM server mode (on CUDA, where its weight sync runs) or CPU."""
+    if server is None or server.kind != TRL_VLLM:
+        return {"use_cpu": True}
+    return {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": server.base_url, "use_cpu": False}
+
+
 def seed_everything(seed: int, threads: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -241,18 +253,22 @@ class Engine:
     rollout: BunshinRollout
     evaluator: Any
     env_cls: Any = None
+    server: ServerInfo | None = None  # where rollouts are sampled, when not from the trainer's own model
 
     @classmethod
-    def build(cls, args: Args, fmt: ChatFormat, adapter: Any, model: Any, out: Path) -> Engine:
+    def build(cls, args: Args, fmt: ChatFormat, adapter: Any, model: Any, out: Path,
+              server: ServerInfo | None = None) -> Engine:
         log = TrajectoryLog(out / "trajectories.jsonl")
         step_log = StepLog(out)  # every group, step and member's end, for `bunshin explore`
         cache = PrefixCache(out / "prefix-cache", log=log) if args.cache else None
         spec = (Speculation(SpecToolSelector.train([]), min_duration=args.spec_min_duration)
                 if args.speculation else None)
-        server = (OpenAICompatibleGenerator(args.server_url, args.server_model, fmt, temperature=args.temperature)
-                  if args.server_url else None)
+        # an off-policy server samples every rollout; TRL's vLLM server is reached through the trainer
+        # (BunshinRollout asks it per call, after TRL pushed the step's weights)
+        off_policy = (OpenAICompatibleGenerator(args.server_url, args.server_model, fmt, temperature=args.temperature)
+                      if server is not None and server.kind == OFF_POLICY else None)
         rollout = BunshinRollout(fmt, env_id=args.env_id, num_generations=args.num_generations, cache=cache,
-                                 speculation=spec, generator=server, adapter=adapter, max_turns=args.max_turns,
+                                 speculation=spec, generator=off_policy, adapter=adapter, max_turns=args.max_turns,
                                  max_turn_tokens=args.max_turn_tokens,
                                  max_completion_tokens=args.max_completion_tokens,
                                  max_groups=args.max_groups, env_kwargs={"step_log": step_log})
@@ -262,8 +278,8 @@ class Engine:
 
             env_cls = environment_class(args.env_id).configure(cache=cache, speculation=spec,
                                                                multimodal=fmt.multimodal, **env_options(args))
-        evaluator = server or LocalGenerator(model, fmt, temperature=args.temperature)
-        return cls(step_log, cache, spec, rollout, evaluator, env_cls)
+        evaluator = off_policy or LocalGenerator(model, fmt, temperature=args.temperature)
+        return cls(step_log, cache, spec, rollout, evaluator, env_cls, server)
 
     def close(self, *, keep_cache: bool) -> None:
         if self.env_cls is not None:
@@ -372,12 +388,13 @@ def make_trainer(args: Args, engine: Engine, model: Any, proc: Any, task_ids: li
         lr_scheduler_type="constant_with_warmup", warmup_steps=args.lr_warmup_steps, optim="adamw_torch",
         per_device_train_batch_size=G * groups,
         num_generations=G, max_completion_length=args.max_completion_tokens, temperature=args.temperature,
-        beta=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+        beta=0.0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
         seed=args.seed, dataloader_num_workers=0,
         # with environment_factory TRL appends the env class's get_reward (weight 1) after these
         reward_weights=(([args.format_reward] if factory_api else [1.0, args.format_reward])
                         if args.format_reward else None),
         max_tool_calling_iterations=args.max_turns,
+        **trl_vllm_options(engine.server),
     )
     bar = tqdm(total=args.steps, desc="GRPO", unit="step", disable=args.quiet)
     repeats = -(-groups // len(task_ids))

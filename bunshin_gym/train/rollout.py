@@ -232,7 +232,14 @@ class BunshinRollout:
                 raise ValueError(f"a GRPO group mixes tasks: {sorted(ids)}")
             tasks.append(ids.pop())
         generator = self.generator
-        if generator is None:
+        if generator is None and getattr(trainer, "use_vllm", False):
+            from bunshin_gym.train.server import TRLVLLMGenerator
+
+            # TRL pushed the policy's weights to its vLLM server before calling this rollout_func
+            args = trainer.args
+            generator = TRLVLLMGenerator(trainer, self.fmt, temperature=args.temperature, top_p=args.top_p,
+                                         top_k=args.top_k or 0)
+        elif generator is None:
             args = trainer.args
             generator = LocalGenerator(trainer.accelerator.unwrap_model(trainer.model), self.fmt,
                                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0)
