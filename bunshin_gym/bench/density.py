@@ -1,7 +1,7 @@
 """``bunshin bench density``: how many live desktops one host holds.
 
-One OSWorld desktop is booted and its task set up; then share-mode (or copy) clones are
-forked from it in groups of 16. Every live clone takes a step (a pyautogui action; the
+One OSWorld desktop is booted and its task set up and snapshotted once; then share-mode (or
+copy) clones are forked from that snapshot in groups of 16. Every live clone takes a step (a pyautogui action; the
 observation is a screenshot) every ``period_s`` seconds, from a small pool of threads,
 as a rollout's policies would. Groups are added until the next group would push the host
 past ``mem_fraction`` of its memory (projected from what the last group cost), the step
@@ -33,6 +33,7 @@ from typing import Any
 import gymnasium as gym
 
 from bunshin_gym.bench.report import table, write
+from bunshin_gym.core import fork_pending
 from bunshin_gym.rollout.runmemory import workspace_memory
 from bunshin_gym.workspace.memory import SHARE_KSM_ENV
 
@@ -195,11 +196,15 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
                       task=cfg.task, max_steps=10**9)
     stepper = Stepper(cfg.period_s, cfg.step_threads)
     rows: list[dict] = []
+    pool: list = []
     stopped = f"reached --max-desktops {cfg.max_desktops}"
     try:
         source.reset(seed=0)
         mem0 = workspace_memory()
         print(f"  {label}: source desktop up, {mem0['cgroups'] / 2**20:.0f} MB in its cgroup", flush=True)
+        # one snapshot of the set-up desktop for the whole run; each group's workspaces are
+        # forked from it together (a clone() per group would snapshot the source again)
+        pool = source.unwrapped.clone(cfg.max_desktops, lazy=True)
         stepper.start()
         per_group = None
         while len(stepper.clones) < cfg.max_desktops:
@@ -209,8 +214,9 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
                 break
             before = sum(workspace_memory()[k] for k in ("cgroups", "page_images", "monitors"))
             t0 = time.perf_counter()
+            clones = pool[len(stepper.clones):len(stepper.clones) + cfg.group]
             try:
-                clones = source.unwrapped.clone(min(cfg.group, cfg.max_desktops - len(stepper.clones)))
+                fork_pending(clones)
             except Exception as e:  # noqa: BLE001 - a fork that fails ends the run and says why
                 stopped = f"fork failed: {type(e).__name__}: {e}"[:300]
                 break
@@ -254,7 +260,7 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
                 break
     finally:
         stepper.stop()
-        for env in stepper.clones:
+        for env in pool:
             env.close()
         source.close()
         os.environ.pop(SHARE_KSM_ENV, None)

@@ -27,7 +27,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +131,34 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return run
+
+
+def fork_pending(envs: Sequence[gym.Env]) -> int:
+    """Fork now, together, the workspaces of lazy clones (``clone(n, lazy=True)``) that have
+    none yet: one concurrent fork per snapshot and memory mode, where each clone on its own
+    would fork when first used, one after the other. Returns how many were forked.
+
+    Example:
+        >>> group = env.unwrapped.clone(16, lazy=True)   # one snapshot, no workspace yet
+        >>> fork_pending(group[:8])                       # 8 workspaces, restored side by side
+    """
+    clones = list({id(u): u for e in envs if isinstance(u := e.unwrapped, WorkspaceEnv)}.values())
+    for u in clones:  # held throughout: a clone used meanwhile by another thread forks no second workspace
+        u._lock.acquire()
+    try:
+        waiting: dict[tuple[int, str], list[WorkspaceEnv]] = {}
+        for u in clones:
+            if not u._closed and u._ws is None and u._pending is not None:
+                waiting.setdefault((id(u._pending), u.memory_mode), []).append(u)
+        for (_, mode), group in waiting.items():
+            # a failed fork leaves these clones pending: each can still fork on first use
+            workspaces = group[0]._pending.workspace.fork(len(group), mode=mode)
+            for u, ws in zip(group, workspaces, strict=True):
+                u._ws, u._pending = ws, None
+        return sum(len(g) for g in waiting.values())
+    finally:
+        for u in clones:
+            u._lock.release()
 
 
 class WorkspaceEnv(gym.Env):
@@ -427,6 +455,7 @@ class WorkspaceEnv(gym.Env):
         for ws in workspaces:
             twin = copy.copy(self)
             twin._ws, twin._pending = ws, (snap if lazy else None)
+            twin.memory_mode = mode or self.memory_mode  # a lazy clone forks in it later
             twin._closed = False
             twin._lock = threading.RLock()
             twin._np_random = copy.deepcopy(self._np_random)
