@@ -734,12 +734,12 @@ def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 
 
-def _remove_dir(path: Path, p: Paths) -> None:
+def _remove_dir(path: Path, p: Paths | None = None) -> None:
     """Delete a snapshot's directory, once every memory backend dropped what it keeps for it
     (kmod holders, share's tmpfs copy of the images)."""
     from bunshin_gym.workspace.workspace import reclaim
 
-    memory.registry.snapshot_removed(path.name, p, reclaim)
+    memory.registry.snapshot_removed(path.name, p or paths(), reclaim)
     if (path / "fs").exists():
         pool.delete_subvolume(path / "fs")
     shutil.rmtree(path, ignore_errors=True)
