@@ -121,8 +121,9 @@ class LocalGenerator:
 
 class OpenAICompatibleGenerator:
     """Turns from an OpenAI-compatible server's ``/v1/completions`` (token-id prompts in,
-    token ids and logprobs out). The server must serve the weights being trained for the
-    rollouts to be on-policy (TRL syncs only its own vLLM server).
+    token ids and logprobs out). Nothing updates the served weights, so its rollouts are
+    off-policy: ``bunshin train`` uses it only with ``--server-off-policy``; TRL's vLLM server
+    (weights pushed every step) goes through :mod:`bunshin_gym.train.server`.
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000/v1``.
