@@ -67,18 +67,22 @@ class _Encoder:
         if self.store is None or a.nbytes < frames.MIN_BYTES or a.ndim == 0 or a.shape[0] == 0:
             return {"__ndarray__": self.blob(_zstd()[0].compress(frames.byte_view(a))), **head, "codec": "zstd"}
         base_id = self.bases.get(place)
-        base = self.store.get(base_id) if isinstance(base_id, str) else None
-        if base is not None and base[0].shape == a.shape and base[0].dtype == a.dtype:
-            rows = frames.changed_rows(base[0], a)
-            if not len(rows):
-                return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id,
-                        "digest": base[1]}
-            if len(rows) <= frames.MAX_CHANGED_SHARE * a.shape[0]:
-                a_digest = frames.digest(a)
-                data = _zstd()[0].compress(frames.byte_view(np.ascontiguousarray(a[rows])))
-                return {"__ndarray__": self.blob(data), **head, "codec": "zstd-rows", "base": base_id,
-                        "spans": frames.spans(rows), "id": self.store.put(a, a_digest), "digest": a_digest}
+        entry = self.store.get(base_id) if isinstance(base_id, str) else None
         a_digest = frames.digest(a)
+        if entry is not None and entry[0].shape == a.shape and entry[0].dtype == a.dtype:
+            base, base_digest = entry
+            # unchanged, the common case: equal to the client's array by its digest, and to the
+            # kept one byte for byte (one digest and one comparison, ~1.2 ms for 6 MB)
+            if a_digest == base_digest and frames.identical(base, a):
+                return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id,
+                        "digest": base_digest}
+            # changed: rows are compared with the kept array, which must still be the one sent
+            if self.store.intact(base_id):
+                rows = frames.changed_rows(base, a)
+                if len(rows) <= frames.MAX_CHANGED_SHARE * a.shape[0]:
+                    data = _zstd()[0].compress(frames.byte_view(np.ascontiguousarray(a[rows])))
+                    return {"__ndarray__": self.blob(data), **head, "codec": "zstd-rows", "base": base_id,
+                            "spans": frames.spans(rows), "id": self.store.put(a, a_digest), "digest": a_digest}
         return {"__ndarray__": self.blob(_zstd()[0].compress(frames.byte_view(a))), **head, "codec": "zstd",
                 "id": self.store.put(a, a_digest), "digest": a_digest}
 

@@ -158,7 +158,7 @@ def test_a_delta_the_client_cannot_apply_is_an_error_and_changes_nothing():
     data = answer(b, store, held)
     with pytest.raises(codec.FrameError, match="does not hold"):
         codec.decode(data, HeldFrames())
-    bad = data.replace(ref_of(data)["digest"].encode(), b"0" * 16)  # not the server's array
+    bad = data.replace(ref_of(data)["digest"].encode(), b"0" * 32)  # not the server's array
     with pytest.raises(codec.FrameError, match="digest"):
         codec.decode(bad, held)
     assert np.array_equal(held.get(SHOT)[1], a), "a failed answer leaves the held frames as they were"
