@@ -40,6 +40,14 @@ def test_oracle_actions_become_desktop_tool_calls():
         assert desktop_call(unsayable) is None
 
 
+def test_tool_call_reward_reads_trl_tool_loop_messages():
+    from bunshin_gym.train.rewards import tool_call_reward
+
+    called = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "press"}}]}
+    episode = [called, {"role": "tool", "content": "pressed a"}, {"role": "assistant", "content": "no call"}]
+    assert tool_call_reward([episode, [called], [], "plain text"]) == [0.5, 1.0, 0.0, 0.0]
+
+
 def test_tiny_vl_policy_is_a_processor_and_the_probe_tells_grad_from_generation(tiny_vl):
     path, model, proc = tiny_vl
     from bunshin_gym.train.tiny_vl import is_vl_model_dir
