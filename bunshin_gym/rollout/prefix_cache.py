@@ -85,6 +85,7 @@ class Node:
     parent: Node | None = field(default=None, repr=False)
     hits: int = 0
     nondeterministic: bool = False  # a replay of it gave another observation: never served
+    start: str | None = None  # (roots) the task's start snapshot, kept by the cache: lazy members fork it
     inflight: threading.Event | None = field(default=None, repr=False)  # set when the first run is done
 
     def __getstate__(self) -> dict:
@@ -189,6 +190,8 @@ def _merge(mine: Node, theirs: Node) -> None:
     """Add ``theirs``' nodes into ``mine`` (mine wins where both recorded a call)."""
     if not mine.snapshot and theirs.snapshot:
         mine.snapshot, mine.state = theirs.snapshot, theirs.state
+    if not getattr(mine, "start", None) and getattr(theirs, "start", None):
+        mine.start = theirs.start
     if not mine.result and theirs.result:
         mine.result, mine.duration = theirs.result, theirs.duration
     mine.nondeterministic = mine.nondeterministic or theirs.nondeterministic
@@ -271,12 +274,45 @@ class PrefixCache(Counted):
         # ties go to the deeper start (fewer replays, fewer chances of a non-deterministic call)
         return min(options, key=lambda o: (o[0], -o[1]))
 
+    def shared_start(self, root: Node, base: Any) -> None:
+        """Make a lazy member (``base``: its unwrapped env, not forked yet) start from the
+        task's start snapshot the cache keeps (the first group's), or keep its own as that.
+
+        Every group then forks its members from one snapshot, so its forks and all the
+        cached snapshots below it share one tmpfs copy of its page images. With each group
+        forking its own, a member restoring a cached snapshot of an earlier group held a
+        second copy of the same set-up memory beside its group's (measured: the largest
+        part of the prefix cache's memory at the peak of a desktop run). The env's episode
+        state stays the member's own: only the workspace it forks is shared."""
+        from bunshin_gym.workspace.snapshot import SnapshotStore
+
+        pending = base._pending
+        if pending is None or base._ws is not None:
+            return
+        with self.tree.lock:
+            if getattr(root, "start", None):
+                try:
+                    kept = SnapshotStore().get(root.start)
+                except SnapshotError:
+                    kept = None  # deleted meanwhile: this member's start becomes the task's
+                if kept is not None and kept.meta.get("image_path") == pending.workspace.meta.get("image_path"):
+                    if kept.id != pending.workspace.id:
+                        base._pending = EnvSnapshot(kept, pending.task, pending.steps, pending.done, pending.state)
+                    return
+            # the cache owns it from now on (the group's env would delete it when it closes)
+            owned = base._owned.snapshots
+            if pending.workspace in owned:
+                owned.remove(pending.workspace)
+            root.start = pending.workspace.id
+
     def clear(self) -> None:
-        """Forget the tree and delete its snapshots (leaves first)."""
+        """Forget the tree and delete its snapshots (leaves first, the tasks' start snapshots last)."""
         with self.tree.lock:
             for node in sorted(self.tree.nodes(), key=lambda n: -n.depth):
                 if node.snapshot:
                     _delete_snapshot(node.snapshot)
+                if getattr(node, "start", None):
+                    _delete_snapshot(node.start)
             self.tree.roots.clear()
             self.tree.save()
 
@@ -329,6 +365,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         self._join()
         self.node = self.real = self.cache.tree.root(cache_key(self.env))
         base = self.env.unwrapped
+        self.cache.shared_start(self.node, base)
         # the episode's start state: a lazy member's pending snapshot or the reset snapshot
         self.base = base._pending or base._reset_snap or base.snapshot()
         self.episode = uuid.uuid4().hex[:12]
