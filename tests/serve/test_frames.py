@@ -147,6 +147,12 @@ def test_an_env_that_reuses_its_array_gets_whole_arrays():
     data = answer(buf, store, held)
     assert ref_of(data)["codec"] == "zstd"
     assert received(data, held).tobytes() == buf.tobytes()
+    fresh = buf.copy()
+    fresh[70] = 1
+    buf[60] = 5  # the kept array changed after it was sent, and the new one is another array
+    data = answer(fresh, store, held)
+    assert ref_of(data)["codec"] == "zstd", "rows are never sent against a kept array that changed"
+    assert received(data, held).tobytes() == fresh.tobytes()
 
 
 def test_a_delta_the_client_cannot_apply_is_an_error_and_changes_nothing():
