@@ -162,14 +162,17 @@ class VisionCall:
     grad: bool  # with gradients on: the loss pass (generation and TRL's scoring run without)
     grid_thw: list[list[int]]  # per image: (frames, patch rows, patch columns)
     patches: int  # rows of pixel_values
+    pixels: Any = None  # a CPU copy of pixel_values, when the probe keeps them
 
 
 @dataclass
 class VisionProbe:
     """Records what the model's vision tower encodes (a forward hook): which images reached it,
-    and whether with gradients on. Use as a context manager, or ``attach``/``detach``."""
+    and whether with gradients on (and, with ``keep_pixels``, their pixel values: memory grows
+    with every call). Use as a context manager, or ``attach``/``detach``."""
 
     model: Any
+    keep_pixels: bool = False
     calls: list[VisionCall] = field(default_factory=list)
     _handle: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -183,7 +186,8 @@ class VisionProbe:
             pixels = args[0] if args else kwargs.get("hidden_states", kwargs.get("pixel_values"))
             grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
             call = VisionCall(torch.is_grad_enabled(), grid.tolist() if grid is not None else [],
-                              int(pixels.shape[0]) if pixels is not None else 0)
+                              int(pixels.shape[0]) if pixels is not None else 0,
+                              pixels.detach().cpu().clone() if self.keep_pixels and pixels is not None else None)
             with self._lock:
                 self.calls.append(call)
 

@@ -112,10 +112,17 @@ def test_screens_of_an_environment_factory_reach_the_loss_pass(tiny_vl, tmp_path
     rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "Solve the task."}]}])
     trainer = GRPOTrainer(model=model, args=config, processing_class=proc, environment_factory=ScreenDouble,
                           reward_funcs=[_length_reward], train_dataset=rows)
-    with VisionProbe(model) as probe:
+    with VisionProbe(model, keep_pixels=True) as probe:
         trainer.train()
     in_loss = probe.images(grad=True)
     assert len(in_loss) >= 4 and all(g == expected_grid(proc) for g in in_loss)  # >= one screen per rollout
+    # the pixels encoded are the double's screens: black after reset, red after each key press
+    shots = [Image.new("RGB", SCREEN, (40 * k, 0, 0)) for k in range(4)]
+    rows = {k: proc.image_processor(images=[im], return_tensors="pt")["pixel_values"] for k, im in enumerate(shots)}
+    for call in (c for c in probe.calls if c.grad):
+        per_image = call.pixels.split(call.patches // len(call.grid_thw))
+        assert all(any(torch.equal(img, r) for r in rows.values()) for img in per_image)
+        assert sum(torch.equal(img, rows[0]) for img in per_image) >= 4  # every rollout's reset screen
     assert sum(float((p.detach() - q).abs().sum()) for p, q in zip(tower.parameters(), start, strict=True)) > 0
 
 
