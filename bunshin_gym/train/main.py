@@ -309,12 +309,28 @@ def warm_start_phase(args: Args, engine: Engine, model: Any, proc: Any, fmt: Cha
         from bunshin_gym.integrations.trl import first_call_examples
 
         # TRL renders its own prompts (tool schemas from the env class): fit the first call on those
-        oracle = first_call_examples(engine.env_cls, proc, tasks, adapter.from_action)
+        to_call, sayable = factory_call_mapper(args.env_id, adapter)
+        oracle = first_call_examples(engine.env_cls, proc, sayable(tasks), to_call)
     else:
         oracle = oracle_episodes(engine.rollout, tasks)
     losses = warm_start(model, oracle, steps=args.warm_start_steps, lr=args.warm_start_lr, pad_id=fmt.pad_id,
                         target_loss=args.warm_start_loss, seed=args.seed)
     return warm_start_entry(oracle, losses, t0, say)
+
+
+def factory_call_mapper(env_id: str, adapter: Any) -> tuple[Callable[[Any], Any], Callable[[dict], dict]]:
+    """How an oracle action becomes a call of the env class's tools, and which tasks' first
+    oracle action can be said so. The desktop class has one tool per action kind (its oracles
+    are pyautogui code), the others take the adapter's calls."""
+    if env_id != "Bunshin-OSWorld-v0":
+        return adapter.from_action, lambda tasks: tasks
+    from bunshin_gym.train.vision import desktop_call
+
+    def sayable(tasks: dict) -> dict:
+        return {t: task for t, task in tasks.items() if (task.oracle() or [None])[0] is not None
+                and desktop_call(task.oracle()[0]) is not None}
+
+    return desktop_call, sayable
 
 
 def warm_start_entry(oracle: list, losses: list[float], t0: float, say: Callable[..., None]) -> dict:

@@ -40,6 +40,20 @@ def test_oracle_actions_become_desktop_tool_calls():
         assert desktop_call(unsayable) is None
 
 
+def test_desktop_factory_warm_start_says_oracle_actions_with_the_desktop_tools():
+    from types import SimpleNamespace
+
+    from bunshin_gym.train.main import factory_call_mapper
+    from bunshin_gym.train.tools import DESKTOP, SHELL
+
+    to_call, sayable = factory_call_mapper("Bunshin-OSWorld-v0", DESKTOP)
+    tasks = {"a": SimpleNamespace(oracle=lambda: ["pyautogui.write('ls\\n')", "DONE"]),
+             "b": SimpleNamespace(oracle=lambda: ["WAIT", "DONE"]), "c": SimpleNamespace(oracle=lambda: [])}
+    assert list(sayable(tasks)) == ["a"] and to_call(tasks["a"].oracle()[0]) == ("type_text", {"text": "ls\n"})
+    to_call, sayable = factory_call_mapper("Bunshin-Shell-v0", SHELL)
+    assert to_call("ls") == ("shell", {"command": "ls"}) and sayable(tasks) is tasks
+
+
 def test_tool_call_reward_reads_trl_tool_loop_messages():
     from bunshin_gym.train.rewards import tool_call_reward
 
