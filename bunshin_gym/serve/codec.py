@@ -72,11 +72,11 @@ class _Encoder:
         if entry is not None and entry[0].shape == a.shape and entry[0].dtype == a.dtype \
                 and not np.may_share_memory(entry[0], a):
             base, base_digest = entry
-            # one pass over both arrays (~1.2 ms for 6 MB, quiet): unchanged, the common case, ends here
-            rows = frames.changed_rows(base, a)
-            if not len(rows):
+            # unchanged, the common case, ends here: one memcmp (~0.7 ms for 6 MB, quiet)
+            if frames.identical(base, a):
                 return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id,
                         "digest": base_digest}
+            rows = frames.changed_rows(base, a)
             # rows changed: they are sent against the kept array, which must still be the one sent
             if len(rows) <= frames.MAX_CHANGED_SHARE * a.shape[0] and self.store.intact(base_id):
                 a_digest = frames.digest(a)

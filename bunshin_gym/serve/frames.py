@@ -4,9 +4,9 @@ Over the env API the client names, per place in an answer (``/observation/screen
 the id of the last array it received there; the server, which keeps the last few large
 arrays it sent for each env (:class:`FrameStore`), compares the new array with that one
 exactly and sends "same", only the changed rows, or (no usable base) the whole array.
-A desktop step mostly changes a few rows or none: comparing two 6 MB screenshots costs
-~1.2-1.7 ms, where compressing one cost ~2-4 ms and decompressing it ~1-2 ms on a quiet host
-(all of it memory-bound, and several times slower under load).
+A desktop step mostly changes a few rows or none: finding two 6 MB screenshots equal costs
+~0.7 ms (memcmp) and finding the changed rows ~1.8 ms, where compressing one cost ~2-4 ms and
+decompressing it ~1-2 ms on a quiet host (several times all of that under load).
 
 The kept arrays are the env's own, not copies. An env that hands out the same buffer again
 (writing the next screenshot into it) is detected, and so is one whose kept array changed
@@ -28,6 +28,7 @@ same object as before.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import secrets
@@ -71,9 +72,27 @@ def row_view(a: np.ndarray) -> np.ndarray:
     return byte_view(a).view(f"<u{width}").reshape(n, row // width)
 
 
+def _libc_memcmp():
+    """libc's memcmp (SIMD, stops at the first difference), or None where there is no libc."""
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
+
+
+_memcmp = _libc_memcmp()
+
+
 def identical(old: np.ndarray, new: np.ndarray) -> bool:
-    """Whether two C-contiguous arrays of one shape and dtype have the same bytes."""
-    return bool(np.array_equal(row_view(old), row_view(new)))
+    """Whether two C-contiguous arrays of one shape and dtype have the same bytes: libc's
+    memcmp (0.7 ms for two equal 6 MB screenshots, where numpy's comparison took 1.8 ms;
+    ctypes lets go of the GIL meanwhile)."""
+    if _memcmp is None:
+        return bool(np.array_equal(row_view(old), row_view(new)))
+    return _memcmp(old.ctypes.data, new.ctypes.data, old.nbytes) == 0
 
 
 def changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray:

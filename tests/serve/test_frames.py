@@ -193,3 +193,21 @@ def test_spans():
     assert frames.spans(np.array([1, 2, 3, 7])) == [[1, 4], [7, 8]]
     assert frames.spans(np.array([], dtype=np.int64)) == []
     assert frames.spans(np.array([0])) == [[0, 1]]
+
+
+@pytest.mark.parametrize("libc", [True, False])
+def test_identical_by_memcmp_and_without_libc(monkeypatch, libc):
+    if not libc:
+        monkeypatch.setattr(frames, "_memcmp", None)
+    else:
+        assert frames._memcmp is not None, "this host's libc has memcmp"
+    a = screen()
+    assert frames.identical(a, a.copy())
+    for where in ((0, 0, 0), (1079, 1919, 2), (540, 3, 1)):
+        b = a.copy()
+        b[where] ^= 1
+        assert not frames.identical(a, b)
+    f = np.zeros(1 << 14)
+    g = f.copy()
+    g[-1] = -0.0
+    assert not frames.identical(f, g), "bytes, not values"
