@@ -198,6 +198,9 @@ class WorkspaceEnv(gym.Env):
         self._pending: EnvSnapshot | None = None  # lazy: fork from this on first use of the workspace
         self._boot_snap: Any = None
         self._reset_snap: EnvSnapshot | None = None
+        # the live workspace is still exactly the reset snapshot (nothing used it since): a
+        # lazy clone then forks that snapshot instead of dumping the same state again
+        self._reset_is_current = False
         self._owned = _Owned()
         self._owned.envs = 1
         self.task: Task | None = None
@@ -253,6 +256,7 @@ class WorkspaceEnv(gym.Env):
     @property
     def workspace(self) -> Any:
         """The live workspace (after the first reset). A lazy clone forks it here, on first use."""
+        self._reset_is_current = False  # whoever takes the workspace may change it
         if self._ws is None and self._pending is not None:
             self._ws = self._pending.workspace.fork(1, mode=self.memory_mode)[0]
             self._pending = None
@@ -270,6 +274,7 @@ class WorkspaceEnv(gym.Env):
         """Make ``workspace`` (a fork of this env's lineage) the env's live workspace, closing
         the current one; ``state`` gives the episode state that goes with it."""
         old, self._ws, self._pending = self._ws, workspace, None
+        self._reset_is_current = False
         if state is not None:
             self.task, self.steps, self.done = state.task, state.steps, state.done
             self.restore_episode_state(copy.deepcopy(state.state))
@@ -298,11 +303,14 @@ class WorkspaceEnv(gym.Env):
             raise ValueError(f"{type(self).__name__}.reset needs a task: reset(options={{'task': ...}}) "
                              "or a default task given to the constructor")
         task = spec if isinstance(spec, Task) else self.load_task(spec)
+        self._reset_is_current = False
         self._fresh_workspace()
         self.task, self.steps, self.done = task, 0, False
         task.setup(self)
         self._reset_snap = self.snapshot() if self._reset_snapshot_enabled else None
-        return self.observe(), {"task_id": task.id, "instruction": task.instruction}
+        obs = self.observe()  # observing changes nothing: the workspace is still the snapshot's state
+        self._reset_is_current = self._reset_snap is not None
+        return obs, {"task_id": task.id, "instruction": task.instruction}
 
     @_locked
     def step(self, action: Any):
@@ -315,6 +323,7 @@ class WorkspaceEnv(gym.Env):
             raise ResetNeeded("call reset() before step()")
         if self.done:
             raise ResetNeeded(f"the episode of task {self.task.id} has ended: call reset() or rollback()")
+        self._reset_is_current = False
         t0 = time.perf_counter()
         self._timing = {}
         info: dict = {}
@@ -423,6 +432,7 @@ class WorkspaceEnv(gym.Env):
         if snap is None:
             raise ResetNeeded("nothing to roll back to: reset() first (with reset_snapshot=True) "
                               "or pass a snapshot")
+        self._reset_is_current = False
         if self._ws is None:
             self._pending = snap  # lazy: fork it when the workspace is first needed
         else:
@@ -441,12 +451,14 @@ class WorkspaceEnv(gym.Env):
             n: number of clones.
             mode: memory mode of the clones' workspaces (default: this env's).
             lazy: take one snapshot now and fork each clone's workspace only when it is
-                first needed (a clone whose steps are all served from a cache never forks).
+                first needed (a clone whose steps are all served from a cache never forks);
+                right after a reset, with nothing done since, the reset snapshot is that state
+                and no new one is taken.
         """
         self._check_open()
         state = self.episode_state()
         if lazy:
-            snap = self.snapshot()
+            snap = self._reset_snap if self._reset_is_current else self.snapshot()
             workspaces = [None] * n
         else:
             self.release_connections()
@@ -457,6 +469,7 @@ class WorkspaceEnv(gym.Env):
             twin._ws, twin._pending = ws, (snap if lazy else None)
             twin.memory_mode = mode or self.memory_mode  # a lazy clone forks in it later
             twin._closed = False
+            twin._reset_is_current = False  # its own workspace (or pending fork) from here on
             twin._lock = threading.RLock()
             twin._np_random = copy.deepcopy(self._np_random)
             twin.last_step_timing, twin._timing = {}, {}

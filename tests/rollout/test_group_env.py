@@ -58,3 +58,26 @@ def test_observations_are_batched_in_the_vector_space(group):
     obs, _ = group.reset(options={"task": "shell/make-dir"})
     assert obs in group.observation_space
     assert isinstance(obs["exit_code"], np.ndarray) and obs["exit_code"].shape == (3,)
+
+
+
+def test_a_lazy_groups_reset_dumps_the_task_state_once():
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    def taken(ws_id: str) -> set[str]:  # snapshots of this workspace (other sessions share the store)
+        return {s.id for s in SnapshotStore().list() if s.meta.get("workspace") == ws_id}
+
+    envs = GroupVectorEnv("Bunshin-Shell-v0", 3, lazy=True)
+    try:
+        envs.reset(options={"task": "shell/make-dir"})
+        root = envs.root.unwrapped
+        # the booted workspace's snapshot and the reset snapshot, which every lazy member
+        # forks: no second dump of the same state
+        assert taken(root._ws.id) == {root._boot_snap.id, root._reset_snap.workspace.id}
+        assert {m.unwrapped._pending.workspace.id for m in envs.members} == {root._reset_snap.workspace.id}
+        envs.reset(options={"task": "shell/make-dir"})  # a later group of the task: one dump again
+        assert len(taken(root._ws.id)) == 3
+        obs, _, _, _, infos = envs.step(["echo member"] * 3)  # each member forks the reset snapshot
+        assert list(obs["output"]) == ["member\n"] * 3, obs
+    finally:
+        envs.close()
