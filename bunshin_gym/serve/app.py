@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from bunshin_gym.config import paths
 from bunshin_gym.errors import BunshinError, ResetNeeded, TaskError
-from bunshin_gym.serve import e2b_api, envd, envs_api, ports
+from bunshin_gym.serve import e2b_api, envd, envs_api, ports, watch
 from bunshin_gym.serve.auth import Principal, TokenStore, token_from_headers
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import Command, Sandbox
@@ -86,6 +86,8 @@ class Service:
         self._snapshots: dict[str, dict] = {}  # name -> {"id": snapshot id, "owner": name}
         self._save_lock = threading.Lock()
         self._loading = False
+        #: the sandboxes' watchers, kept across restarts (:mod:`bunshin_gym.serve.watch`)
+        self.watchers = watch.WatcherStore(config.state_path / "watchers")
 
     # auth ------------------------------------------------------------------------------
     async def principal(self, request: Request) -> Principal:
@@ -151,6 +153,7 @@ class Service:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(state, indent=1))
             tmp.replace(path)
+            self.watchers.keep_only(set(sandboxes))  # a closed sandbox's watchers go with it
 
     def load(self) -> dict[str, int]:
         """Reattach what a previous server left (see the module doc); returns counts."""
@@ -205,6 +208,7 @@ class Service:
         if d.get("traffic_token"):
             sb.traffic_token = d["traffic_token"]
         sb.commands = {c["pid"]: Command(**c) for c in d.get("commands") or []}
+        sb.watchers = self.watchers.load(sb_id)
         self.registry.reserve(who, sb.workspaces, sb.memory)  # may exceed a quota lowered meanwhile: kept
         self.registry.add(sb)
         return "reattached" if ws is not None else "paused"
@@ -305,7 +309,7 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
     api.include_router(e2b_api.router(service))
     api.include_router(envs_api.router(service))
     api.include_router(envd.files_router(service.registry))
-    rpc = envd.rpc_apps(service.registry)
+    rpc = envd.rpc_apps(service.registry, service.watchers)
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
         # a host PORT-SANDBOX.DOMAIN is for a port inside that sandbox; Connect-RPC paths go

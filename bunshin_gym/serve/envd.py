@@ -343,10 +343,16 @@ def _entry(d: dict) -> filesystem_pb.EntryInfo:
 
 class FilesystemService:
     """``filesystem.Filesystem``: stat, list, make, move, remove, and watchers by polling
-    (:mod:`bunshin_gym.serve.watch`)."""
+    (:mod:`bunshin_gym.serve.watch`), kept in ``watcher_store`` when given (they then
+    outlive a server restart)."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, watcher_store: watch.WatcherStore | None = None):
         self.registry = registry
+        self.watcher_store = watcher_store
+
+    async def _keep(self, sb: Sandbox, watcher: watch.Watcher) -> None:
+        if self.watcher_store is not None:
+            await _call(self.watcher_store.save, sb.id, watcher)
 
     async def _run(self, ctx, op: str, path: str, **args):
         try:
@@ -389,11 +395,15 @@ class FilesystemService:
         watcher.entries = await _call(watch.list_tree, sb, watcher)
         return sb, watcher
 
-    @staticmethod
-    async def _changes(sb: Sandbox, watcher: watch.Watcher) -> list[filesystem_pb.FilesystemEvent]:
+    async def _changes(self, sb: Sandbox, watcher: watch.Watcher,
+                       keep: bool = False) -> list[filesystem_pb.FilesystemEvent]:
+        """The events since the last listing; ``keep``: write the new listing to the store
+        when it changed (a kept watcher)."""
         entries = await _call(watch.list_tree, sb, watcher)
         events = watch.diff(watcher.entries, entries)
-        watcher.entries = entries
+        changed, watcher.entries = entries != watcher.entries, entries
+        if keep and changed:
+            await self._keep(sb, watcher)
         return [filesystem_pb.FilesystemEvent(name=name, type=kind) for name, kind in events]
 
     def watch_dir(self, request, ctx) -> AsyncIterator[filesystem_pb.WatchDirResponse]:
@@ -427,6 +437,7 @@ class FilesystemService:
             watch.add_watcher(sb.watchers, watcher)
         except ServeError as e:
             raise _connect_error(e) from None
+        await self._keep(sb, watcher)
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher.id)
 
     async def _known(self, ctx, watcher_id: str) -> tuple[Sandbox, watch.Watcher]:
@@ -442,18 +453,20 @@ class FilesystemService:
     async def get_watcher_events(self, request, ctx) -> filesystem_pb.GetWatcherEventsResponse:
         """What changed since the watcher's last listing (its creation or the last call)."""
         sb, watcher = await self._known(ctx, request.watcher_id)
-        return filesystem_pb.GetWatcherEventsResponse(events=await self._changes(sb, watcher))
+        return filesystem_pb.GetWatcherEventsResponse(events=await self._changes(sb, watcher, keep=True))
 
     async def remove_watcher(self, request, ctx) -> filesystem_pb.RemoveWatcherResponse:
         sb, watcher = await self._known(ctx, request.watcher_id)
         sb.watchers.pop(watcher.id, None)
+        if self.watcher_store is not None:
+            await _call(self.watcher_store.remove, sb.id, watcher.id)
         return filesystem_pb.RemoveWatcherResponse()
 
 
-def rpc_apps(registry: Registry) -> dict[str, object]:
+def rpc_apps(registry: Registry, watcher_store: watch.WatcherStore | None = None) -> dict[str, object]:
     """The Connect-RPC ASGI apps, by the path prefix they serve."""
     process = ProcessASGIApplication(ProcessService(registry))
-    filesystem = FilesystemASGIApplication(FilesystemService(registry))
+    filesystem = FilesystemASGIApplication(FilesystemService(registry, watcher_store))
     return {process.path + "/": process, filesystem.path + "/": filesystem}
 
 

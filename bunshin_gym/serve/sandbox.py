@@ -184,7 +184,7 @@ class Sandbox(Lease):
     auto_pause: bool = False
     timeout: float = 300.0
     commands: dict[int, Command] = field(default_factory=dict)
-    #: directory watchers by id (:mod:`bunshin_gym.serve.watch`; not kept across a server restart)
+    #: directory watchers by id (:mod:`bunshin_gym.serve.watch`; kept across a server restart)
     watchers: dict = field(default_factory=dict)
     #: the per-workspace memory limit, counted against the quota while it runs
     memory_limit: int = 0

@@ -15,16 +15,29 @@ What polling cannot see: a change undone before the next listing (a file made an
 in between), and several writes to one file between two listings, which are one ``WRITE``.
 A rename is reported as ``RENAME`` of the old name and ``CREATE`` of the new one (as envd's
 inotify does) when the same inode moved within the watched tree.
+
+Watchers made with ``CreateWatcher`` outlive a server restart: each is written to the
+server's state directory (:class:`WatcherStore`) when made and whenever a poll changes its
+listing, and a restarted server gives a reattached sandbox its watchers back, so the next
+``GetWatcherEvents`` reports what changed meanwhile. A streamed ``WatchDir`` ends with its
+connection anyway.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import secrets
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from e2b.envd.filesystem.filesystem_pb import EventType
 
 from bunshin_gym.serve.registry import NotFound, QuotaExceeded, ServeError
+
+log = logging.getLogger(__name__)
 
 #: the most entries one watched tree may hold (a listing is at most ~1 MB then)
 MAX_ENTRIES = 10_000
@@ -124,3 +137,46 @@ def add_watcher(watchers: dict[str, Watcher], watcher: Watcher) -> None:
     if len(watchers) >= MAX_WATCHERS:
         raise QuotaExceeded(f"a sandbox holds at most {MAX_WATCHERS} watchers: stop one first")
     watchers[watcher.id] = watcher
+
+
+class WatcherStore:
+    """The watchers of each sandbox on disk: ``ROOT/SANDBOX/WATCHER.json`` holding its path,
+    recursion, user and last listing, each replaced atomically."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def save(self, sandbox_id: str, watcher: Watcher) -> None:
+        d = self._dir(sandbox_id)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{watcher.id}.tmp"
+        tmp.write_text(json.dumps({"path": watcher.path, "recursive": watcher.recursive, "user": watcher.user,
+                                   "entries": watcher.entries}))
+        os.replace(tmp, d / f"{watcher.id}.json")
+
+    def remove(self, sandbox_id: str, watcher_id: str) -> None:
+        (self._dir(sandbox_id) / f"{watcher_id}.json").unlink(missing_ok=True)
+
+    def load(self, sandbox_id: str) -> dict[str, Watcher]:
+        """The watchers saved for a sandbox (one that cannot be read is left out, logged)."""
+        out: dict[str, Watcher] = {}
+        for f in sorted(self._dir(sandbox_id).glob("*.json")):
+            try:
+                d = json.loads(f.read_text())
+                entries = {name: (int(e[0]), str(e[1]), int(e[2]), str(e[3]), str(e[4]))
+                           for name, e in d["entries"].items()}
+                out[f.stem] = Watcher(str(d["path"]), bool(d["recursive"]), str(d["user"]), entries, id=f.stem)
+            except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+                log.warning("watcher %s of sandbox %s cannot be read back (%s): dropped", f.stem, sandbox_id, e)
+        return out
+
+    def keep_only(self, sandbox_ids: set[str]) -> None:
+        """Forget the watchers of every sandbox not in ``sandbox_ids`` (closed, reaped)."""
+        if not self.root.is_dir():
+            return
+        for d in self.root.iterdir():
+            if d.is_dir() and d.name not in sandbox_ids:
+                shutil.rmtree(d, ignore_errors=True)

@@ -88,3 +88,39 @@ def test_async_watch_dir_streams_events(server, opts):
             await sb.kill()
 
     assert asyncio.run(main()) == [("one", T.CREATE), ("one", T.WRITE), ("one", T.RENAME), ("two", T.CREATE)]
+
+
+def test_a_watcher_outlives_a_server_restart(tmp_path):
+    from e2b import Sandbox
+
+    from .conftest import Server, e2b_opts
+
+    state = tmp_path / "state"
+    first = Server(tmp_path, state_dir=state)  # keeps its sandboxes when it stops
+    second = None
+    sb = Sandbox.create("base", **e2b_opts(first))
+    try:
+        sb.files.make_dir("/tmp/w")
+        h = sb.files.watch_dir("/tmp/w")
+        gone = sb.files.watch_dir("/tmp/w")
+        gone.stop()  # a removed watcher is not kept
+        sb.files.write("/tmp/w/before", "b")
+        assert events(h) == [("before", T.CREATE), ("before", T.WRITE)]
+        sb.files.write("/tmp/w/meanwhile", "m")  # changed while no poll comes: reported after the restart
+        first.stop()
+        assert len(list((state / "watchers" / sb.sandbox_id).glob("*.json"))) == 1
+
+        second = Server(tmp_path, "--close-on-exit", state_dir=state, port=first.port)
+        again = Sandbox.connect(sb.sandbox_id, **e2b_opts(second))
+        again.files.remove("/tmp/w/before")
+        # the same handle, whose watcher the new server read back with its last listing
+        assert events(h) == [("before", T.REMOVE), ("meanwhile", T.CREATE), ("meanwhile", T.WRITE)]
+        assert events(h) == []
+        again.kill()
+        assert not (state / "watchers" / sb.sandbox_id).exists(), "a killed sandbox's watchers are forgotten"
+    finally:
+        if second is None:
+            sb.kill()
+            first.stop()
+        else:
+            second.stop()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from bunshin_gym.serve import watch
 from bunshin_gym.serve.auth import Principal, TokenFileError, TokenStore, token_from_headers
 from bunshin_gym.serve.envs_api import check_task
 from bunshin_gym.serve.registry import QuotaExceeded, Registry, ServeError
@@ -92,3 +93,19 @@ def test_port_hosts():
     assert target_of("3000-iabc.e2b.app") == (3000, "iabc")
     for host in ("127.0.0.1:49982", "localhost", "49983-iabc.e2b.app", "8080-i/x.y", "", None, "99999999-iabc.x"):
         assert target_of(host) is None, host
+
+
+def test_watcher_store_round_trip_and_bad_files(tmp_path, caplog):
+    store = watch.WatcherStore(tmp_path / "watchers")
+    entries = {"a b": (12, "f", 3, "1700000000.5", "644"), "d": (13, "d", 0, "1", "755")}
+    w = watch.Watcher("/tmp/w", True, "user", entries)
+    store.save("sb-1", w)
+    store.save("sb-2", watch.Watcher("/x", False, "root"))
+    back = store.load("sb-1")
+    assert list(back) == [w.id] and vars(back[w.id]) == vars(w)
+    (tmp_path / "watchers" / "sb-1" / "broken.json").write_text('{"path": "/y"')
+    assert list(store.load("sb-1")) == [w.id] and "broken" in caplog.text, "a file that cannot be read is dropped"
+    store.remove("sb-1", w.id)
+    assert list(store.load("sb-1")) == []
+    store.keep_only({"sb-1"})
+    assert store.load("sb-2") == {} and (tmp_path / "watchers" / "sb-1").is_dir()
