@@ -23,7 +23,11 @@ generation would take that long. The trajectories are saved with the results, an
 Memory is what the run's own workspaces use, sampled over time: the sum of their cgroups'
 charge, the tmpfs page images their share clones map, their userfaultfd monitors, and (in
 full mode) the snapshot bytes the prefix cache keeps resident (its residency's count, under
-a budget sized from the run unless ``--cache-budget-mb`` fixes it); never host-wide. After
+a budget sized from the run unless ``--cache-budget-mb`` fixes it); never host-wide. The
+live speculative forks (spec and full) and their snapshots are bounded by a share of the
+run's peak memory (:data:`~bunshin_gym.rollout.speculation.MEMORY_FRACTION`, 3%: with the
+cache's 2%, Full stays within the 5% of share-base the paper reports); a prediction whose
+fork does not fit is not speculated (``skipped_memory``). After
 the epochs, restores of a cached snapshot are timed hot and cold (:func:`measure_restores`).
 
 Sizes: ``--quick`` (2 tasks, G=2, 2 epochs) is a smoke test; the default (4 tasks, G=4,
@@ -55,6 +59,7 @@ from bunshin_gym.bench.report import table, write
 from bunshin_gym.bench.rollout import MemorySampler, replay_group
 from bunshin_gym.rollout import PrefixCache, Speculation, TrajectoryLog
 from bunshin_gym.rollout.runmemory import workspace_memory
+from bunshin_gym.rollout.speculation import MEMORY_FRACTION as SPEC_MEMORY_FRACTION
 
 log = logging.getLogger(__name__)
 
@@ -378,14 +383,14 @@ class _ModeState:
 
 
 def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, parallel: int,
-              min_speculate_s: float) -> dict:
+              min_speculate_s: float, spec_memory_fraction: float | None = SPEC_MEMORY_FRACTION) -> dict:
     """Every group of one epoch in one mode; ``parallel`` groups at a time (0: all at once, as a
     batch of rollouts runs)."""
     mode = state.mode
     spec = None
     entries = TrajectoryLog.load(state.log.path)
     if mode in ("spec", "full") and entries:
-        spec = Speculation.from_log(entries, min_duration=min_speculate_s)
+        spec = Speculation.from_log(entries, min_duration=min_speculate_s, memory_fraction=spec_memory_fraction)
     kwargs = dict(ENV_KWARGS[env_id], memory_mode="copy" if mode == "copy-base" else "share")
     clock = time.perf_counter()
     results: list[list] = [[] for _ in recs]
@@ -480,6 +485,7 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
     res: dict = {"env": env_id, "tasks": tasks, "group": size.group, "epochs": size.epochs, "seed": seed,
                  "think": asdict(think), "think_distribution": think.describe(), "parallel": parallel,
                  "min_speculate_s": min_speculate_s, "cache_budget_mb": cache_budget_mb,
+                 "spec_memory_fraction": SPEC_MEMORY_FRACTION,
                  "modes": {m: {"epochs": []} for m in modes}, "load_average": {}}
     t_run = time.perf_counter()
     try:

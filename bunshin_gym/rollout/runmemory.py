@@ -3,12 +3,17 @@
 The sum of the run's workspaces' cgroup charge, the tmpfs page images their share clones
 map (allocated bytes, counted once per snapshot copy, parents included), and the resident
 memory of their userfaultfd monitors. The prefix cache sizes its residency budget from it
-(:class:`~bunshin_gym.rollout.residency.Residency`), and ``bunshin bench epoch`` samples it.
+(:class:`~bunshin_gym.rollout.residency.Residency`), speculation bounds the memory of its live
+forks by a share of it (:class:`RunBudget`), and ``bunshin bench epoch`` samples it.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bunshin_gym.config import paths
@@ -16,7 +21,9 @@ from bunshin_gym.workspace import records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.memstat import rollup
 
-__all__ = ["run_bytes", "workspace_memory"]
+__all__ = ["RunBudget", "run_bytes", "workspace_memory"]
+
+logger = logging.getLogger(__name__)
 
 
 def _dir_bytes(d: Path) -> int:
@@ -54,3 +61,41 @@ def run_bytes(owner: int | None = None) -> int:
     """The total of :func:`workspace_memory`: bytes of this process's workspaces."""
     parts = workspace_memory(owner)
     return parts["cgroups"] + parts["page_images"] + parts["monitors"]
+
+
+class RunBudget:
+    """A byte budget that is a share of the run's peak memory (:func:`run_bytes`), or fixed.
+
+    The run's memory is read at most every ``refresh_s`` seconds, and the peak is never
+    lowered: a group's workspaces closing does not shrink what the next group may use.
+
+    Args:
+        fixed: a budget in bytes (None: sized from the run).
+        fraction: the budget's share of the run's peak memory.
+        run_memory: bytes the run uses now (default: this process's workspaces).
+        refresh_s: the least seconds between two reads.
+    """
+
+    def __init__(self, fixed: int | None = None, *, fraction: float, run_memory: Callable[[], int] = run_bytes,
+                 refresh_s: float = 2.0):
+        if fixed is not None and fixed < 0:
+            raise ValueError(f"memory budget must be >= 0 bytes or None (sized from the run), not {fixed}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"memory budget fraction must be between 0 and 1, not {fraction}")
+        self.fixed, self.fraction, self.run_memory, self.refresh_s = fixed, fraction, run_memory, refresh_s
+        self.run_peak = 0
+        self._read_at = -math.inf
+
+    @property
+    def budget(self) -> int:
+        """The budget in bytes now (a run-sized one reads the run's memory first, when due)."""
+        if self.fixed is not None:
+            return self.fixed
+        now = time.monotonic()
+        if now - self._read_at >= self.refresh_s:
+            self._read_at = now
+            try:
+                self.run_peak = max(self.run_peak, self.run_memory())
+            except OSError as e:  # a workspace closing under the read: sized at the next read
+                logger.debug("reading the run's memory failed: %s", e)
+        return int(self.fraction * self.run_peak)

@@ -21,6 +21,19 @@ chain's next one (by :func:`signature` under the env's rules):
 
 Speculative forks have no external network (workspaces only have ``lo``).
 
+Memory: the live speculative forks of a run, with the snapshots they hold (the fork's own
+page images, the states recorded after its calls), can be bounded by a budget sized from the
+run (``memory_fraction=``, :data:`MEMORY_FRACTION` for a Full run within 5% of one without
+speculation or cache, as ``bunshin bench epoch`` runs it: a share of the peak memory of the
+process's workspaces), or fixed (``memory_budget=``); by default they are not bounded (a
+run of a few workspaces could not speculate at all under a share of its memory). Bounded,
+a chain is launched only when the bytes its fork is expected to cost (the mean that earlier
+forks measured, at first an average workspace of the run) fit beside those held; else it
+is skipped (``stats.skipped_memory``). A fork's bytes are held until it is closed, or until
+a member adopts it (its workspace is then that member's). Either way, the snapshots recorded
+after a chain's calls are released when the chain is dropped or done (a workspace rolled
+back to one keeps it until it moves on), not kept to the episode's end.
+
 Example:
     >>> spec = Speculation(SpecToolSelector.load("selector.npz"), durations=TrajectoryLog.durations(log))
     >>> env = spec.wrap(gym.make("Bunshin-Shell-v0"))
@@ -32,6 +45,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +53,19 @@ import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
-from bunshin_gym.errors import WorkspaceError
+from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text
+from bunshin_gym.rollout.runmemory import RunBudget, run_bytes, workspace_memory
 from bunshin_gym.rollout.selector import SpecToolSelector
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
 
 logger = logging.getLogger(__name__)
+
+#: the speculative forks' share of the run's peak memory (with the prefix cache's 2%, a
+#: Full run stays within 5% of one without either, the paper's +1 GiB over 69 GiB)
+MEMORY_FRACTION = 0.03
 
 
 @dataclass
@@ -57,6 +76,7 @@ class SpecStats:
     matched: int = 0  # actual calls served by speculation
     mismatched: int = 0
     unstarted: int = 0  # predicted right but the fork was not ready: ran normally
+    skipped_memory: int = 0  # predictions whose fork did not fit in the memory budget
     fork_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -76,6 +96,11 @@ class Speculation(Counted):
             task of median slowness; see :meth:`threshold`).
         episode_times: recorded median tool time of an episode of each task
             (``TrajectoryLog.episode_times``): what makes a task or an episode slow.
+        memory_budget: bytes the live speculative forks and their snapshots may hold.
+        memory_fraction: instead, a budget sized from the run: this share of its peak memory
+            (:data:`MEMORY_FRACTION` is what keeps a Full run within 5% of share-base).
+            With neither, speculation's memory is not bounded.
+        run_memory: bytes the run uses now (default: this process's workspaces).
     """
 
     #: the most the threshold is lowered for a slow task, and the factor for a straggler episode
@@ -83,7 +108,9 @@ class Speculation(Counted):
     STRAGGLER_BOOST = 2.0
 
     def __init__(self, selector: SpecToolSelector, *, depth: int = 1, durations: dict[str, float] | None = None,
-                 min_duration: float = 0.3, episode_times: dict[str, float] | None = None):
+                 min_duration: float = 0.3, episode_times: dict[str, float] | None = None,
+                 memory_budget: int | None = None, memory_fraction: float | None = None,
+                 run_memory: Callable[[], int] = run_bytes):
         self.selector = selector
         self.depth = max(1, depth)
         self.durations = durations or {}
@@ -91,6 +118,13 @@ class Speculation(Counted):
         self.episode_times = episode_times or {}
         self._median_episode = statistics.median(self.episode_times.values()) if self.episode_times else 0.0
         self.stats = SpecStats()
+        if memory_budget is not None and memory_fraction is not None:
+            raise ValueError("Speculation: give memory_budget (bytes) or memory_fraction (of the run), not both")
+        self.memory = None if memory_budget is None and memory_fraction is None else \
+            RunBudget(memory_budget, fraction=memory_fraction or 0.0, run_memory=run_memory)
+        self._held: dict[int, int] = {}  # bytes each live fork holds (or is expected to), by chain
+        self._fork_costs: list[int] = []  # bytes measured of forks so far
+        self._memory_lock = threading.Lock()
 
     @classmethod
     def from_log(cls, entries: list[dict], selector: SpecToolSelector | None = None, **kwargs: Any) -> Speculation:
@@ -114,6 +148,45 @@ class Speculation(Counted):
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
 
+    # memory of the live forks ------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the live speculative forks hold (as measured, or expected until measured)."""
+        with self._memory_lock:
+            return sum(self._held.values())
+
+    def fork_cost(self) -> int:
+        """Bytes a speculative fork is expected to hold: the mean of those measured, or
+        before any, an average workspace of the run."""
+        with self._memory_lock:
+            if self._fork_costs:
+                return int(statistics.fmean(self._fork_costs))
+        parts = workspace_memory()
+        return (parts["cgroups"] + parts["page_images"] + parts["monitors"]) // max(1, parts["workspaces"])
+
+    def reserve(self, key: int, size: int) -> bool:
+        """Hold ``size`` bytes for a fork if they fit in the budget beside those held."""
+        budget = self.memory.budget if self.memory is not None else None
+        with self._memory_lock:
+            if budget is not None and sum(self._held.values()) + size > budget:
+                return False
+            self._held[key] = size
+            return True
+
+    def measured(self, key: int, size: int, *, final: bool = False) -> None:
+        """A fork's bytes, measured: they replace what was expected of it; a ``final`` one
+        (its chain ran to its end) also sizes the forks to come."""
+        with self._memory_lock:
+            if key in self._held:
+                self._held[key] = size
+            if final:
+                self._fork_costs.append(size)
+
+    def release(self, key: int) -> None:
+        """The fork is gone (or adopted): its bytes are no longer speculation's."""
+        with self._memory_lock:
+            self._held.pop(key, None)
+
 
 
 @dataclass
@@ -135,6 +208,7 @@ class _Chain:
         self.pos = 0  # next call to compare
         self.last_run = -1  # index of the last call the fork ran to its end (its workspace is there)
         self.fork: Any = None  # the forked env
+        self.own_images = False  # the fork was dumped for this chain (not a lazy env's pending snapshot)
         self.cancelled = threading.Event()
         self.finished = threading.Event()  # the background run is over (ran, failed or was stopped)
 
@@ -276,13 +350,20 @@ class SpeculativeWrapper(BunshinWrapper):
         if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.threshold(base.task.id, self.elapsed):
             self.speculation.count(skipped_fast=1)
             return
-        self._chain = _Chain(calls)
-        self._spawn(self._run, self._chain, name="speculation")
+        chain = _Chain(calls)
+        cost = self.speculation.fork_cost() if self.speculation.memory is not None else 0
+        if not self.speculation.reserve(id(chain), cost):
+            self.speculation.count(skipped_memory=1)
+            return
+        self._chain = chain
+        self._spawn(self._run, chain, name="speculation")
         self.speculation.count(launched=1)
 
     def _run(self, chain: _Chain) -> None:
         try:
             self._run_chain(chain)
+            if not chain.cancelled.is_set() and chain.fork is not None:  # a full run: what a fork costs
+                self._measure(chain, final=True)
         finally:
             for call in chain.calls:  # never leave a waiter hanging
                 call.started.set()
@@ -294,12 +375,14 @@ class SpeculativeWrapper(BunshinWrapper):
         t0 = time.perf_counter()
         # a lazy env (no workspace yet) is forked from its pending snapshot, not materialized
         try:
+            chain.own_images = base.materialized  # a live workspace is dumped for the fork
             (chain.fork,) = base.clone(1, lazy=not base.materialized)
             chain.fork.workspace  # noqa: B018 - fork it now, so that a cancel can kill what runs in it
         except Exception:  # noqa: BLE001 - no fork, no speculation (the actual call runs normally)
             logger.debug("speculative fork failed", exc_info=True)
             return
         self.speculation.count(fork_s=time.perf_counter() - t0)
+        self._measure(chain)
         for i, call in enumerate(chain.calls):
             if chain.cancelled.is_set():  # checked after the fork exists: _stop kills it otherwise
                 return
@@ -314,7 +397,8 @@ class SpeculativeWrapper(BunshinWrapper):
                 chain.last_run = i
                 end = call.result[2] or call.result[3]
                 if i < len(chain.calls) - 1 and not end:
-                    call.state = chain.fork.snapshot()
+                    # kept by the chain, not by the env's lineage: released with the chain
+                    call.state = chain.fork.snapshot(keep=True)
             except Exception:  # noqa: BLE001 - a failed (or killed) speculation is just not served
                 if not chain.cancelled.is_set():
                     logger.debug("speculative call %s failed", call.sig, exc_info=True)
@@ -325,11 +409,28 @@ class SpeculativeWrapper(BunshinWrapper):
             if end:
                 return
 
+    def _measure(self, chain: _Chain, *, final: bool = False) -> None:
+        """Measure what the chain's fork holds now: its workspace's memory, the page images
+        dumped for it, its uffd monitor, the states recorded after its calls."""
+        try:
+            size = _fork_bytes(chain.fork._ws, chain.own_images)
+            size += sum(c.state.workspace.size() for c in chain.calls if c.state is not None)
+        except (OSError, WorkspaceError, SnapshotError, AttributeError) as e:  # closed meanwhile
+            logger.debug("measuring a speculative fork: %s", e)
+            return
+        self.speculation.measured(id(chain), size, final=final)
+
     def _discard(self, chain: _Chain) -> None:
         def close_fork() -> None:
             chain.finished.wait()  # the run stops at once: its fork's processes are dead
-            if chain.fork is not None:
-                chain.fork.close()
+            try:
+                if chain.fork is not None:
+                    chain.fork.close()
+                for call in chain.calls:  # a workspace rolled back to one keeps it while it needs it
+                    if call.state is not None:
+                        _release_snapshot(call.state.workspace)
+            finally:
+                self.speculation.release(id(chain))
 
         self._spawn(close_fork, name="speculation-discard")
 
@@ -337,6 +438,31 @@ class SpeculativeWrapper(BunshinWrapper):
         t = threading.Thread(target=fn, args=args, name=name, daemon=True)
         t.start()
         self._threads = [d for d in self._threads if d.is_alive()] + [t]
+
+
+def _fork_bytes(ws: Any, own_images: bool) -> int:
+    """Bytes a live fork holds: its cgroup's charge, its uffd monitor's resident memory and,
+    when it was dumped for the fork, its snapshot's page images."""
+    from bunshin_gym.workspace.memstat import rollup
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    if ws is None or ws.closed:
+        return 0
+    total = ws.cgroup.memory_usage()
+    monitor = ws._rec.extra.get("uffd") or {}
+    pids = [pid for pid in (monitor.get("guard"), monitor.get("worker")) if pid]
+    if pids:
+        total += rollup(pids)["Rss"]
+    if own_images and ws.base_snapshot:
+        total += SnapshotStore().get(ws.base_snapshot).size()
+    return total
+
+
+def _release_snapshot(snap: Any) -> None:
+    try:
+        snap.release()
+    except (SnapshotError, WorkspaceError) as e:  # gone already: `bunshin gc` deals with leftovers
+        logger.debug("releasing speculative snapshot %s: %s", getattr(snap, "id", snap), e)
 
 
 def _stop(chain: _Chain) -> None:

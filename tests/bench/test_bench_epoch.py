@@ -192,6 +192,29 @@ def test_run_to_run_noise_compares_spec_epoch_1_with_share_base():
     assert E.run_to_run_noise(res) is None
 
 
+def test_speculation_in_spec_and_full_modes_is_bounded_by_a_share_of_the_runs_memory(tmp_path, monkeypatch):
+    from bunshin_gym.rollout.speculation import MEMORY_FRACTION
+
+    seen = {}
+
+    def replay_group(rec, group, cache, spec, log, **kwargs):  # the groups' run itself is not the point here
+        seen[kwargs["kind"]] = spec
+        return []
+
+    monkeypatch.setattr(E, "replay_group", replay_group)
+    for mode in ("spec", "full"):
+        state = E._ModeState(mode, tmp_path)
+        state.log.record(task="t", episode="e", depth=0, signature="ls", action="ls", duration=2.0, served="executed")
+        seen.clear()
+        E.run_epoch(state, [{"epoch": 1, "task": "t", "kind": "pyautogui", "members": []}], env_id=E.OSWORLD,
+                    group=1, parallel=1, min_speculate_s=0.8)
+        spec = seen["pyautogui"]
+        assert spec.memory is not None and spec.memory.fixed is None  # sized from the run
+        assert spec.memory.fraction == MEMORY_FRACTION == 0.03
+        if state.cache is not None:
+            state.cache.clear()
+
+
 def test_table_and_one_png_per_figure(tmp_path):
     res = _results(full_wall=90.0)
     res["targets"] = E.evaluate_targets(res)
