@@ -134,7 +134,13 @@ class ResetNeeded(BunshinError, gymnasium.error.ResetNeeded, RuntimeError):
 
 # env families' servers ---------------------------------------------------------------------
 class DriverError(BunshinError, RuntimeError):
-    """The browser driver answered with an error (a failed browser operation)."""
+    """The browser driver answered with an error (a failed browser operation). ``reply``: the
+    driver's whole reply where it answered (a failed action's ``element_box`` besides its
+    ``error``), else None."""
+
+    def __init__(self, message: str, reply: dict | None = None):
+        super().__init__(message)
+        self.reply = reply
 
 
 class XError(BunshinError, OSError):

@@ -20,15 +20,6 @@ SOCKET = "/run/bunshin/web.sock"
 MAX_REPLY = 64 << 20
 
 
-class OperationFailed(DriverError):
-    """The driver answered with an error; ``reply`` is its whole reply (a failed action's
-    ``element_box`` besides its ``error``)."""
-
-    def __init__(self, reply: dict):
-        super().__init__(reply["error"])
-        self.reply = reply
-
-
 class BrowserClient:
     """One connection to a workspace's browser driver.
 
@@ -55,11 +46,11 @@ class BrowserClient:
 
     def request(self, header: dict, timeout: float | None = None) -> tuple[dict, list[bytes]]:
         """One request; :class:`ChannelError` when the driver cannot be reached, does not
-        answer in time or answers over the cap, :class:`OperationFailed` (a DriverError) when the
+        answer in time or answers over the cap, :class:`DriverError` with its ``reply`` when the
         operation failed."""
         reply, blobs = self._client.request(header, timeout=timeout or self.timeout)
         if "error" in reply:
-            raise OperationFailed(reply)
+            raise DriverError(reply["error"], reply)
         return reply, blobs
 
     def wait_ready(self, timeout: float = 60.0, alive: Callable[[], bool] = lambda: True) -> None:

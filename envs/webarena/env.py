@@ -253,7 +253,7 @@ class WebArenaEnv(WorkspaceEnv):
         try:
             reply, _ = self.browser.request(req)
         except DriverError as e:
-            self._element_box = _box(getattr(e, "reply", {}).get("element_box"))
+            self._element_box = _box((getattr(e, "reply", None) or {}).get("element_box"))
             return self._fail(f"{act.raw}: {e}")
         self._element_box = _box(reply.get("element_box"))
         return {"action": act.raw}
