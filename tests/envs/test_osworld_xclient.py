@@ -1,10 +1,15 @@
-"""The host's X client: what it makes of the pixels the X server sends."""
+"""The host's X client: what it makes of the pixels the X server sends, and damage tracking
+(each capture reads only what was drawn since the last one) on a real desktop."""
 
 from __future__ import annotations
 
+import gymnasium as gym
 import numpy as np
+import pytest
 
-from bunshin_gym.envs.osworld.xclient import bgrx_to_rgb
+import bunshin_gym  # noqa: F401 - registers the envs
+from bunshin_gym.envs.osworld import desktop
+from bunshin_gym.envs.osworld.xclient import XScreen, bgrx_to_rgb
 
 
 def test_bgrx_to_rgb_gives_what_reversing_the_channels_gives():
@@ -22,3 +27,73 @@ def test_bgrx_to_rgb_of_a_received_buffer():
     raw = bytearray(bytes([10, 20, 30, 0, 1, 2, 3, 255]))  # two pixels, BGRX as the server sends them
     rgb = bgrx_to_rgb(np.frombuffer(raw, np.uint8).reshape(1, 2, 4))
     assert rgb.tolist() == [[[30, 20, 10], [3, 2, 1]]]
+
+
+# damage tracking on a real desktop ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def desktop_env():
+    env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False, max_steps=10**6)
+    env.reset(options={"task": "osworld/terminal-count-lines"})
+    yield env
+    env.close()
+
+
+def _screen(env, **kw) -> XScreen:
+    return XScreen(desktop.sock_path(env.unwrapped.workspace, desktop.X_SOCKET), **kw)
+
+
+def test_tracked_frames_equal_whole_screen_reads_after_every_kind_of_action(desktop_env):
+    """Each capture reads only what was drawn, and (verify) equals a whole-screen read taken
+    under the same server grab, pixel for pixel."""
+    scr = _screen(desktop_env)
+    try:
+        scr.capture(verify=True)
+        assert scr.last_read_pixels == 1920 * 1080 and scr._tracking  # the first frame is whole
+        for action in ["pyautogui.moveTo(700, 500)", "pyautogui.click(500, 300)", "pyautogui.write('ls -la /etc')",
+                       "pyautogui.press('enter')", "pyautogui.hotkey('ctrl', 'l')", "pyautogui.scroll(-3)",
+                       "pyautogui.dragTo(900, 700, duration=0.2)", "pyautogui.write('echo done\\n')"]:
+            _, _, _, _, info = desktop_env.step(action)
+            assert "error" not in info, info
+            scr.capture(verify=True)  # raises XError if a pixel differs
+            desktop_env.unwrapped._x.capture(verify=True)  # the env's own tracker (its step took a frame)
+        scr.capture()
+        desktop_env.step("pyautogui.moveTo(710, 505)")
+        scr.capture()
+        assert scr.last_read_pixels < 1920 * 1080 // 10  # a pointer move draws (almost) nothing
+    finally:
+        scr.close()
+
+
+def test_tracked_frames_stay_exact_while_a_program_keeps_drawing(desktop_env):
+    scr = _screen(desktop_env)
+    ws = desktop_env.unwrapped.workspace
+    try:
+        scr.capture()
+        desktop_env.step("pyautogui.write('for i in $(seq 1 4000); do echo line $i $RANDOM; done\\n')")
+        partial = 0
+        for _ in range(25):  # the terminal scrolls meanwhile: every frame is checked under the grab
+            scr.capture(verify=True)
+            partial += 0 < scr.last_read_pixels < 1920 * 1080
+        assert partial > 0  # some frames read part of the screen only
+    finally:
+        scr.close()
+        ws.exec(["pkill", "-INT", "-f", "seq 1 4000"])
+
+
+def test_without_damage_tracking_every_capture_reads_the_whole_screen(desktop_env):
+    scr = _screen(desktop_env, damage=False)
+    try:
+        a, b = scr.capture(), scr.capture()
+        assert np.array_equal(a, b) and scr.last_read_pixels == 1920 * 1080 and scr._tracking is None
+    finally:
+        scr.close()
+
+
+def test_a_frame_is_a_new_array_each_time(desktop_env):
+    scr = _screen(desktop_env)
+    try:
+        a = scr.capture()
+        a[:] = 0
+        assert scr.capture().any()  # the kept frame was not the one handed out
+    finally:
+        scr.close()

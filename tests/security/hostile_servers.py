@@ -6,6 +6,8 @@ Copied into a workspace of the ``base`` image and started there with its own pyt
 - ``x PATH``: an X server at PATH whose connection set-up is correct (a 64x48 screen) and
   whose GetImage replies are correct too, until the file ``/tmp/x-huge`` exists: then the
   next reply announces the length written in that file (in 4-byte units) and sends nothing.
+  With ``/tmp/x-huge-damage`` present when a client connects, it also offers DAMAGE and
+  XFIXES, and the attack comes in the damage region's reply.
 - ``silent-desktop``: the desktop input server's socket; answers ``ping``, never answers an action.
 - ``silent-web``: the browser driver's socket; answers ``ping``, ``setup`` and ``observe``
   (an empty page), never answers an action.
@@ -36,11 +38,27 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
+DAMAGE_OP, XFIXES_OP = 142, 138  # the major opcodes this server gives the two extensions
+
+
+def _x_reply(seq: int, length: int = 0, body: bytes = b"") -> bytes:
+    head = bytearray(32)
+    head[0] = 1
+    struct.pack_into("<HI", head, 2, seq, length)
+    head[8:8 + len(body)] = body
+    return bytes(head)
+
+
 def _x_connection(conn: socket.socket, flag: str) -> None:
+    """One client: correct answers (GetImage, and with ``damage`` DAMAGE/XFIXES as a server
+    on which nothing is ever drawn) until ``flag`` exists; then the next reply (an image or a
+    damage region) announces the length in ``flag`` and nothing follows."""
+    damage = os.path.exists(flag + "-damage")
     with conn:
         try:
             _recv_exact(conn, 12)  # byte order, protocol version, no authorisation
             data = bytearray(72)  # vendor "" (0), 1 screen, 0 pixmap formats, then the screen
+            struct.pack_into("<II", data, 4, 0x200000, 0x1FFFFF)  # resource-id base and mask
             data[20], data[21] = 1, 0
             struct.pack_into("<I", data, 32, 0x123)  # root window
             struct.pack_into("<HH", data, 52, WIDTH, HEIGHT)
@@ -48,18 +66,27 @@ def _x_connection(conn: socket.socket, flag: str) -> None:
             conn.sendall(struct.pack("<BBHHH", 1, 0, 11, 0, len(data) // 4) + bytes(data))
             seq = 0
             while True:
-                _recv_exact(conn, 20)  # GetImage
+                opcode, minor, units = struct.unpack("<BBH", _recv_exact(conn, 4))
+                body = _recv_exact(conn, units * 4 - 4)
                 seq += 1
-                head = bytearray(32)
-                head[0], head[1] = 1, 24
-                struct.pack_into("<H", head, 2, seq)
-                if os.path.exists(flag):
-                    with open(flag) as f:
-                        struct.pack_into("<I", head, 4, int(f.read()))
-                    conn.sendall(bytes(head))
-                    time.sleep(3600)  # and never send the announced bytes
-                struct.pack_into("<I", head, 4, WIDTH * HEIGHT)
-                conn.sendall(bytes(head) + bytes(WIDTH * HEIGHT * 4))
+                huge = int(open(flag).read()) if os.path.exists(flag) else None
+                if opcode == 98:  # QueryExtension: DAMAGE and XFIXES only with damage
+                    name = body[4:4 + struct.unpack_from("<H", body)[0]]
+                    ops = {b"DAMAGE": DAMAGE_OP, b"XFIXES": XFIXES_OP} if damage else {}
+                    conn.sendall(_x_reply(seq, 0, bytes([name in ops, ops.get(name, 0), 0, 0])))
+                elif opcode in (DAMAGE_OP, XFIXES_OP) and minor == 0:  # QueryVersion
+                    conn.sendall(_x_reply(seq, 0, struct.pack("<II", 1, 1)))
+                elif opcode == XFIXES_OP and minor == 19:  # FetchRegion: empty, or the attack
+                    conn.sendall(_x_reply(seq, huge or 0))
+                    if huge:
+                        time.sleep(3600)
+                elif opcode == 73:  # GetImage
+                    if huge:
+                        conn.sendall(_x_reply(seq, huge))
+                        time.sleep(3600)  # and never send the announced bytes
+                    w, h = struct.unpack_from("<HH", body, 8)
+                    conn.sendall(_x_reply(seq, w * h) + bytes(w * h * 4))
+                # anything else (grabs, DamageCreate/Subtract, CreateRegion) has no reply
         except (EOFError, OSError):
             return
 

@@ -167,6 +167,47 @@ def test_x_reply_with_a_huge_length_is_refused():
     assert float(out.stdout.split("after ")[1].split()[0]) < 5
 
 
+_X_DAMAGE_CHILD = textwrap.dedent("""
+    import resource, sys, time
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+    sys.path.insert(0, sys.argv[2])
+    from bunshin_gym.envs.osworld.xclient import XScreen
+    scr = XScreen(sys.argv[1], timeout=10)
+    assert scr.capture().shape == (48, 64, 3) and scr.last_read_pixels == 64 * 48  # first: whole
+    assert scr.capture().shape == (48, 64, 3) and scr.last_read_pixels == 0  # tracked: nothing drawn
+    open(sys.argv[3], "w").write(str(0xFFFFFFFF))  # the next damage region announces 16 GiB
+    t0 = time.monotonic()
+    try:
+        scr.capture()
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}")
+        print(f"after {time.monotonic() - t0:.1f} s")
+    else:
+        print("no error")
+""")
+
+
+def test_x_damage_region_with_a_huge_length_is_refused():
+    """The same attack on the damage-tracking path: the region reply announces 16 GiB."""
+    sys.path.insert(0, str(HOSTILE.parent))
+    try:
+        import hostile_servers
+    finally:
+        sys.path.pop(0)
+    with tempfile.TemporaryDirectory() as d:
+        sock, flag = f"{d}/X0", f"{d}/huge"
+        Path(flag + "-damage").touch()
+        ready = threading.Event()
+        threading.Thread(target=hostile_servers.serve_x, args=(sock, flag, ready), daemon=True).start()
+        assert ready.wait(5)
+        repo = str(Path(__file__).resolve().parents[2])
+        out = subprocess.run([sys.executable, "-c", _X_DAMAGE_CHILD, sock, repo, flag], capture_output=True,
+                             text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("XError: X reply refused: a damage region"), out.stdout + out.stderr[-2000:]
+    assert float(out.stdout.split("after ")[1].split()[0]) < 5
+
+
 def test_x_reply_with_a_huge_length_is_refused_through_the_workspace_path(fresh_ws):
     """The same attack from inside a workspace, reached at the real X socket path."""
     from bunshin_gym.envs.osworld import desktop
