@@ -31,7 +31,7 @@ def shell_corpus(tasks: list, adapter: ActionAdapter = SHELL) -> list[str]:
     out = [SYSTEM, json.dumps(adapter.tools), SHELL_WORDS]
     for task in tasks:
         out.append(task.instruction)
-        for action in task.oracle() or []:
+        for action in adapter.env_oracle(task.oracle() or []) or []:
             out.append(call_text(*adapter.from_action(action)))
     for i in range(200):
         out.append(f"{i} [exit code {i % 3}]")

@@ -101,6 +101,11 @@ class ActionAdapter:
         """The (name, arguments) call for an env action (oracle solutions -> model text)."""
         raise NotImplementedError
 
+    def env_oracle(self, actions: list) -> list | None:
+        """A task's shipped oracle as actions of this adapter's env action space (None where
+        it cannot be said there: its task then has no oracle episode)."""
+        return list(actions)
+
 
 class ShellAdapter(ActionAdapter):
     def convert(self, call: ToolCall) -> Any | ToolCallError:
@@ -132,6 +137,21 @@ class DictAdapter(ActionAdapter):
             if action == act:
                 return name, {}
         return "action", dict(action)
+
+    def env_oracle(self, actions: list) -> list | None:
+        """The desktop's oracles are pyautogui code: each action as its computer_13 dicts."""
+        from bunshin_gym.envs.osworld.oracle import to_computer_13
+
+        out: list = []
+        for action in actions:
+            if isinstance(action, dict):
+                out.append(action)
+                continue
+            try:
+                out += [a["action_type"] if a["action_type"] in ("DONE", "FAIL") else a for a in to_computer_13(action)]
+            except (ValueError, SyntaxError):
+                return None
+        return out
 
 
 class WebAdapter(ActionAdapter):

@@ -29,10 +29,11 @@ def load_tasks(env_id: str, task_ids: list[str]) -> dict[str, Any]:
 
 def oracle_episodes(rollout: BunshinRollout, tasks: dict[str, Any]) -> list[Episode]:
     """One oracle episode per task that ships an oracle, played through ``rollout``."""
-    with_oracle = [t for t, task in tasks.items() if task.oracle()]
+    oracles = {t: rollout.adapter.env_oracle(task.oracle() or []) for t, task in tasks.items()}
+    with_oracle = [t for t, actions in oracles.items() if actions]
 
     def script(ep: Episode) -> str:
-        actions = tasks[ep.task_id].oracle()
+        actions = oracles[ep.task_id]
         action = actions[min(ep.turns, len(actions) - 1)]
         return call_text(*rollout.adapter.from_action(action))
 
