@@ -163,6 +163,9 @@ class OSWorldEnv(WorkspaceEnv):
         settle: seconds to wait after an action before the screenshot (OSWorld waits 2 s).
         wait_seconds: how long ``WAIT`` sleeps.
         action_timeout: seconds an action may run in the workspace before it is stopped.
+        track_damage: screenshots read only what the X server says was drawn since the last
+            one (the same frame as a whole-screen read, under a server grab); False: every
+            screenshot reads the whole screen.
         **kwargs: see :class:`~bunshin_gym.core.env.WorkspaceEnv` (image, memory_mode, ...).
     """
 
@@ -171,7 +174,8 @@ class OSWorldEnv(WorkspaceEnv):
     def __init__(self, task: Any = None, *, action_space: str = "computer_13",
                  screen_size: tuple[int, int] = (1920, 1080), require_a11y_tree: bool = True,
                  require_terminal: bool = False, cache_dir: str | list[str] | None = None,
-                 settle: float = 0.0, wait_seconds: float = 1.0, action_timeout: float = 60.0, **kwargs: Any):
+                 settle: float = 0.0, wait_seconds: float = 1.0, action_timeout: float = 60.0,
+                 track_damage: bool = True, **kwargs: Any):
         super().__init__(task, **kwargs)
         if action_space not in ("computer_13", "pyautogui"):
             raise ValueError(f"action_space must be 'computer_13' or 'pyautogui', not {action_space!r}")
@@ -180,6 +184,7 @@ class OSWorldEnv(WorkspaceEnv):
         self.require_a11y_tree = require_a11y_tree
         self.require_terminal = require_terminal
         self.settle = settle
+        self.track_damage = track_damage
         self.wait_seconds = wait_seconds
         self.action_timeout = action_timeout
         extra = [cache_dir] if isinstance(cache_dir, (str, os.PathLike)) else list(cache_dir or [])
@@ -352,10 +357,10 @@ class OSWorldEnv(WorkspaceEnv):
     def screenshot(self) -> np.ndarray:
         """The screen now, as an RGB uint8 array (read from the X socket)."""
         path = desktop.sock_path(self.workspace, desktop.X_SOCKET)
-        if self._x is None or self._x.path != path:
+        if self._x is None or self._x.path != path or self._x.damage != self.track_damage:
             if self._x is not None:
                 self._x.close()
-            self._x = XScreen(path)
+            self._x = XScreen(path, damage=self.track_damage)
         try:
             return self._x.capture()
         except OSError as e:  # XError too: the X server is inside the workspace and may misbehave

@@ -97,3 +97,18 @@ def test_a_frame_is_a_new_array_each_time(desktop_env):
         assert scr.capture().any()  # the kept frame was not the one handed out
     finally:
         scr.close()
+
+
+def test_the_env_reads_whole_screens_when_told_to(desktop_env):
+    u = desktop_env.unwrapped
+    try:
+        u.track_damage = False
+        a = u.screenshot()
+        assert u._x.damage is False and u._x.last_read_pixels == 1920 * 1080
+        u.track_damage = True
+        b = u.screenshot()
+        assert u._x.damage is True and b.shape == a.shape
+        u.screenshot()
+        assert u._x.last_read_pixels < 1920 * 1080  # tracked again
+    finally:
+        u.track_damage = True
