@@ -458,7 +458,11 @@ class WorkspaceEnv(gym.Env):
         self._check_open()
         state = self.episode_state()
         if lazy:
-            snap = self._reset_snap if self._reset_is_current else self.snapshot()
+            if self._reset_is_current:
+                self.release_connections()  # as before any clone: the twins copy this env's attributes
+                snap = self._reset_snap
+            else:
+                snap = self.snapshot()
             workspaces = [None] * n
         else:
             self.release_connections()
