@@ -41,6 +41,7 @@ from bunshin_gym.workspace import (
     delta,
     dumping,
     flatten,
+    hostlimits,
     idmap,
     integrity,
     memory,
@@ -118,6 +119,7 @@ class Snapshot:
         mode = memory.MemoryMode.parse(mode or self.mode)
         backend = memory.backend(mode)
         backend.check_available(self._p)  # before anything is made
+        hostlimits.prepare_host()
         verify(self)  # a damaged image is refused before anything is made
         me = os.getpid()
         recs = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import idmap, memory, pool, records, snapshot, snapview
+from bunshin_gym.workspace import hostlimits, idmap, memory, pool, records, snapshot, snapview
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
@@ -90,6 +90,7 @@ class Workspace:
         mode = MemoryMode.parse(memory_mode)
         limits = Limits.parse(limits)
         p = pool.require_pool()
+        hostlimits.prepare_host()
         image_path = ImageStore(p).get(image)
         layer = ensure_runtime(p)
         ws_id = ws_id or f"ws-{secrets.token_hex(4)}"
