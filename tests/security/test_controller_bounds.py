@@ -147,8 +147,8 @@ _X_CHILD = textwrap.dedent("""
 """)
 
 
-def test_x_reply_with_a_huge_length_is_refused():
-    """A fake X server on a host unix socket (the XScreen path without a workspace)."""
+def _run_x_child(child: str, damage: bool) -> str:
+    """Run ``child`` against a hostile X server on a host unix socket; its output."""
     sys.path.insert(0, str(HOSTILE.parent))
     try:
         import hostile_servers
@@ -156,15 +156,23 @@ def test_x_reply_with_a_huge_length_is_refused():
         sys.path.pop(0)
     with tempfile.TemporaryDirectory() as d:
         sock, flag = f"{d}/X0", f"{d}/huge"
+        if damage:
+            Path(flag + "-damage").touch()
         ready = threading.Event()
         threading.Thread(target=hostile_servers.serve_x, args=(sock, flag, ready), daemon=True).start()
         assert ready.wait(5)
         repo = str(Path(__file__).resolve().parents[2])
-        out = subprocess.run([sys.executable, "-c", _X_CHILD, sock, repo, flag], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", child, sock, repo, flag], capture_output=True, text=True,
                              timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("XError: X reply refused"), out.stdout + out.stderr[-2000:]
-    assert float(out.stdout.split("after ")[1].split()[0]) < 5
+    return out.stdout + out.stderr[-2000:]
+
+
+def test_x_reply_with_a_huge_length_is_refused():
+    """A fake X server on a host unix socket (the XScreen path without a workspace)."""
+    out = _run_x_child(_X_CHILD, damage=False)
+    assert out.startswith("XError: X reply refused"), out
+    assert float(out.split("after ")[1].split()[0]) < 5
 
 
 _X_DAMAGE_CHILD = textwrap.dedent("""
@@ -189,23 +197,9 @@ _X_DAMAGE_CHILD = textwrap.dedent("""
 
 def test_x_damage_region_with_a_huge_length_is_refused():
     """The same attack on the damage-tracking path: the region reply announces 16 GiB."""
-    sys.path.insert(0, str(HOSTILE.parent))
-    try:
-        import hostile_servers
-    finally:
-        sys.path.pop(0)
-    with tempfile.TemporaryDirectory() as d:
-        sock, flag = f"{d}/X0", f"{d}/huge"
-        Path(flag + "-damage").touch()
-        ready = threading.Event()
-        threading.Thread(target=hostile_servers.serve_x, args=(sock, flag, ready), daemon=True).start()
-        assert ready.wait(5)
-        repo = str(Path(__file__).resolve().parents[2])
-        out = subprocess.run([sys.executable, "-c", _X_DAMAGE_CHILD, sock, repo, flag], capture_output=True,
-                             text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("XError: X reply refused: a damage region"), out.stdout + out.stderr[-2000:]
-    assert float(out.stdout.split("after ")[1].split()[0]) < 5
+    out = _run_x_child(_X_DAMAGE_CHILD, damage=True)
+    assert out.startswith("XError: X reply refused: a damage region"), out
+    assert float(out.split("after ")[1].split()[0]) < 5
 
 
 def test_x_reply_with_a_huge_length_is_refused_through_the_workspace_path(fresh_ws):
