@@ -389,6 +389,16 @@ class PromptExample:
     env_mask: list[int]
 
 
+def first_observation(cls: type[BunshinEnvironment], row: dict, task_id: str) -> tuple[Any, list]:
+    """What a new instance's ``reset`` returns for ``task_id`` with ``row``, and its tools (the
+    instance is closed before this returns)."""
+    env = cls()
+    try:
+        return env.reset(**{**row, "task": task_id}), tool_methods(env)
+    finally:
+        env._close_env()
+
+
 def first_call_examples(cls: type[BunshinEnvironment], tokenizer: Any, tasks: dict[str, Any],
                         to_call: Callable[[Any], tuple[str, dict]]) -> list[PromptExample]:
     """For each task with an oracle: TRL's prompt for it (the row's prompt plus what the real
@@ -402,12 +412,7 @@ def first_call_examples(cls: type[BunshinEnvironment], tokenizer: Any, tasks: di
         actions = task.oracle() or []
         if not actions:
             continue
-        env = cls()
-        try:
-            first = env.reset(**{**row, "task": task_id})
-            tools = tool_methods(env)
-        finally:
-            env._close_env()
+        first, tools = first_observation(cls, row, task_id)
         msgs = [*row["prompt"][:-1], {"role": "user", "content": row["prompt"][-1]["content"] + first}]
         prompt = tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
                                                return_dict=True)["input_ids"]

@@ -93,7 +93,7 @@ def first_call_examples(cls: type, processor: Any, tasks: dict[str, Any]) -> lis
     """For each task whose oracle's first action is a tool call: the prompt as TRL renders it for
     a multimodal env class (the row's prompt as a text block, then what the real ``reset``
     returns, the screenshot included; the tools by the chat template) and that call."""
-    from bunshin_gym.integrations.trl import task_rows, tool_methods
+    from bunshin_gym.integrations.trl import first_observation, task_rows
     from bunshin_gym.train.tools import call_text
 
     row = task_rows([""])[0]
@@ -103,12 +103,7 @@ def first_call_examples(cls: type, processor: Any, tasks: dict[str, Any]) -> lis
         if first_call is None:
             log.info("warm start: %s has no oracle action the desktop tools can say; skipped", task_id)
             continue
-        env = cls()
-        try:
-            first = env.reset(**{**row, "task": task_id})
-            tools = tool_methods(env)
-        finally:
-            env._close_env()
+        first, tools = first_observation(cls, row, task_id)
         blocks = first if isinstance(first, list) else [{"type": "text", "text": first}]
         msgs = [*row["prompt"][:-1], {"role": "user", "content": [
             {"type": "text", "text": row["prompt"][-1]["content"]}, *blocks]}]
