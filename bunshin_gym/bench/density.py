@@ -36,6 +36,7 @@ from bunshin_gym.bench.report import table, write
 from bunshin_gym.core import fork_pending
 from bunshin_gym.rollout.runmemory import workspace_memory
 from bunshin_gym.workspace.memory import SHARE_KSM_ENV
+from bunshin_gym.workspace.memstat import meminfo
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +62,8 @@ class DensityConfig:
 
 
 # host figures (for the stop rule and for context) --------------------------------------------
-def _meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def host_used_fraction() -> float:
-    info = _meminfo()
+    info = meminfo()
     return 1.0 - info["MemAvailable"] / info["MemTotal"]
 
 
@@ -208,7 +200,7 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
         stepper.start()
         per_group = None
         while len(stepper.clones) < cfg.max_desktops:
-            if per_group is not None and host_used_fraction() + per_group / _meminfo()["MemTotal"] > cfg.mem_fraction:
+            if per_group is not None and host_used_fraction() + per_group / meminfo()["MemTotal"] > cfg.mem_fraction:
                 stopped = (f"memory: one more group ({per_group / 2**20:.0f} MB) would pass "
                            f"{cfg.mem_fraction:.0%} of the host's memory")
                 break
@@ -273,7 +265,7 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
 
 def run(json_path: str | None = None, cfg: DensityConfig | None = None) -> dict:
     cfg = cfg or DensityConfig()
-    info = _meminfo()
+    info = meminfo()
     print(f"bench density: {ENV_ID} {cfg.task}; groups of {cfg.group}, a step every {cfg.period_s:.0f} s each; "
           f"stop at {cfg.mem_fraction:.0%} of {info['MemTotal'] / 2**30:.1f} GiB, a step median over "
           f"{cfg.step_budget_ms:.0f} ms, or {cfg.max_desktops} desktops; modes {', '.join(cfg.modes)}", flush=True)

@@ -49,10 +49,10 @@ def workspace_memory(owner: int | None = None) -> dict[str, int]:
         except (OSError, ValueError):
             pass  # closed meanwhile
     root = paths().run / "uffd-images"
-    used = uffd.with_ancestors(root, {r.snapshot for r in mine if "uffd" in r.extra and r.snapshot})
+    served = [r for r in mine if r.uffd is not None]  # share clones: a monitor, a mapped image
+    used = uffd.with_ancestors(root, {r.snapshot for r in served if r.snapshot})
     images = sum(_dir_bytes(root / n) for n in used)
-    monitors = [pid for r in mine if "uffd" in r.extra for pid in (r.extra["uffd"].get("guard"),
-                                                                   r.extra["uffd"].get("worker")) if pid]
+    monitors = [pid for r in served for pid in (r.uffd.guard, r.uffd.worker) if pid]
     return {"cgroups": cgroups, "page_images": images, "monitors": rollup(monitors)["Rss"],
             "workspaces": len(mine)}
 

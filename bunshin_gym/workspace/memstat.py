@@ -177,10 +177,16 @@ def copied_pages(pids: list[int], device: int) -> CopiedPages:
     return CopiedPages(unchanged=same * PAGE, changed=changed * PAGE)
 
 
-def used_memory() -> int:
-    """Host memory in use (MemTotal - MemAvailable), for peaks during a fork."""
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes, by field name."""
     info = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
         key, _, rest = line.partition(":")
         info[key] = int(rest.split()[0]) * 1024
+    return info
+
+
+def used_memory() -> int:
+    """Host memory in use (MemTotal - MemAvailable), for peaks during a fork."""
+    info = meminfo()
     return info["MemTotal"] - info["MemAvailable"]

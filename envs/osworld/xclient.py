@@ -157,9 +157,7 @@ class XScreen:
         raise :class:`XError` if the tracked frame differs from it (a check for tests and
         for debugging a server; it costs a whole-screen read)."""
         if not self.damage:
-            frame = bgrx_to_rgb(self.capture_bgrx())
-            self.last_read_pixels = frame.shape[0] * frame.shape[1]
-            return frame
+            return self._whole_frame()
         self.connect()
         deadline = time.monotonic() + self.timeout
         try:
@@ -172,15 +170,17 @@ class XScreen:
                     self.connect()
                     self._tracking = False
             if self._tracking is False:
-                self._frame = None
-                frame = bgrx_to_rgb(self.capture_bgrx())
-                self.last_read_pixels = frame.shape[0] * frame.shape[1]
-                return frame
+                return self._whole_frame()
             self._update_frame(deadline, verify)
         except BaseException:
             self.close()
             raise
         return self._frame.copy()
+
+    def _whole_frame(self) -> np.ndarray:
+        frame = bgrx_to_rgb(self.capture_bgrx())
+        self.last_read_pixels = frame.shape[0] * frame.shape[1]
+        return frame
 
     def _update_frame(self, deadline: float, verify: bool = False) -> None:
         """Read what was drawn since the last capture into ``_frame`` (all of it the first time),
