@@ -411,7 +411,10 @@ class SpeculativeWrapper(BunshinWrapper):
 
     def _measure(self, chain: _Chain, *, final: bool = False) -> None:
         """Measure what the chain's fork holds now: its workspace's memory, the page images
-        dumped for it, its uffd monitor, the states recorded after its calls."""
+        dumped for it, its uffd monitor, the states recorded after its calls. Only under a memory
+        bound: nothing else reads it, and it reads the fork's cgroup, images and monitors."""
+        if self.speculation.memory is None:
+            return
         try:
             size = _fork_bytes(chain.fork._ws, chain.own_images)
             size += sum(c.state.workspace.size() for c in chain.calls if c.state is not None)
