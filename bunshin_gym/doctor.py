@@ -82,7 +82,7 @@ def _criu() -> str:
 
 
 def _pycriu() -> str:
-    from bunshin_gym.workspace import flatten
+    from bunshin_gym.workspace.snapshots import flatten
 
     images = flatten.pycriu_images(paths())
     return f"pycriu from {images.__file__.rsplit('/pycriu/', 1)[0]} (snapshot flattening rewrites CRIU images)"

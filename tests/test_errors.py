@@ -32,7 +32,7 @@ OLD_PATHS = {
     "bunshin_gym.workspace.errors": ["WorkspaceError", "WorkspaceClosed", "UnknownImage", "AgentError",
                                      "ChannelError", "SetupError", "ForkError", "SnapshotError"],
     "bunshin_gym.workspace": ["WorkspaceError", "WorkspaceClosed", "UnknownImage", "AgentError", "SetupError"],
-    "bunshin_gym.workspace.flatten": ["FlattenUnavailable"],
+    "bunshin_gym.workspace.snapshots.flatten": ["FlattenUnavailable"],
     "bunshin_gym.workspace.protocol": ["ProtocolError"],
     "bunshin_gym.core.env": ["ActionError", "ResetNeeded"],
     "bunshin_gym.core.task": ["TaskError"],

@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass, field
 
 from bunshin_gym.config import Paths, cgroup_root, criu_env, paths
-from bunshin_gym.workspace import cgroups, dumping, memory, pool, records, snapview
+from bunshin_gym.workspace import cgroups, dumping, memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.images import build_lock
 from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
+from bunshin_gym.workspace.snapshots import views
 from bunshin_gym.workspace.workspace import reclaim
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
         rep.cgroups.append(name)
     if pool.is_mounted(p.pool):
         rep.snapshots = _sweep_snapshots(p, rep.thawed)
-        rep.caches += [f"snap-view {v}" for v in snapview.sweep(p)]  # views of deleted snapshots
+        rep.caches += [f"snap-view {v}" for v in views.sweep(p)]  # views of deleted snapshots
         cleared = pool.clear_stale_qgroups(p.pool)  # quota groups of subvolumes deleted since
         if cleared:
             log.info("removed %d stale quota groups", cleared)

@@ -37,20 +37,10 @@ from typing import TYPE_CHECKING
 
 from bunshin_gym import config
 from bunshin_gym.config import Limits, Paths, criu_env, paths
-from bunshin_gym.workspace import (
-    delta,
-    dumping,
-    flatten,
-    hostlimits,
-    idmap,
-    integrity,
-    memory,
-    pool,
-    records,
-    snapview,
-)
+from bunshin_gym.workspace import dumping, hostlimits, idmap, memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup, unified
 from bunshin_gym.workspace.errors import ForkError, SnapshotError, WorkspaceError
+from bunshin_gym.workspace.snapshots import delta, flatten, integrity, views
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace.workspace import Workspace
@@ -59,7 +49,7 @@ log = logging.getLogger(__name__)
 
 #: the default depth past which snapshot chains are flattened: a snapshot whose images would
 #: reference more ancestors' page files (``ref_depth``) takes those files over (see
-#: :mod:`bunshin_gym.workspace.flatten`). BUNSHIN_MAX_SNAPSHOT_DEPTH, read at use, overrides it.
+#: :mod:`bunshin_gym.workspace.snapshots.flatten`). BUNSHIN_MAX_SNAPSHOT_DEPTH, read at use, overrides it.
 MAX_DEPTH = config.max_snapshot_depth()
 
 #: ``--skip-in-flight``: a TCP connection still in a listening socket's accept queue cannot be
@@ -142,7 +132,7 @@ class Snapshot:
                     records.save(rec, self._p)
                     Cgroup.create(rec.cgroup, Limits.parse(rec.limits))
                 helper = backend.helper(self, self._p)  # once the clones' records keep it from `bunshin gc`
-                view = snapview.view_for(self)  # once for all clones: what they may see at /.snap
+                view = views.view_for(self)  # once for all clones: what they may see at /.snap
                 _lay_files(self, recs)
                 procs = [_start_restore(self, rec, self._p, helper, view) for rec in recs]
             else:
@@ -178,7 +168,7 @@ class Snapshot:
 
     def flatten(self) -> dict:
         """Make this snapshot need no other snapshot: take over the ancestors' page files its
-        images name and rewrite the images (:mod:`bunshin_gym.workspace.flatten`)."""
+        images name and rewrite the images (:mod:`bunshin_gym.workspace.snapshots.flatten`)."""
         return flatten.flatten_snapshot(self)
 
     def size(self) -> int:
@@ -192,7 +182,7 @@ class Snapshot:
             raise SnapshotError(f"snapshot {self.id} is in use by clones {users['clones']} and child "
                                 f"snapshots {users['children']}; close or delete those first")
         _remove_dir(self.path, self._p)
-        snapview.remove(self.id, self._p)
+        views.remove(self.id, self._p)
         for needed in {self.parent, *self.meta.get("refs", [])} - {None}:
             release_snapshot(needed, self._p)  # an ephemeral ancestor this one kept alive goes now
 
@@ -467,7 +457,7 @@ def _start_clones(snap: Snapshot, recs: list[records.Record],
     If a clone fails to start, the restores that did start are stopped and reaped, and the
     first error is raised (the caller reclaims every clone)."""
     p = snap._p
-    view = snapview.view_for(snap)  # once for all clones: what they may see at /.snap
+    view = views.view_for(snap)  # once for all clones: what they may see at /.snap
     backend.prepare(snap, p)  # e.g. share's tmpfs copy of the images, made once
 
     def start(rec: records.Record) -> subprocess.Popen:
@@ -508,7 +498,7 @@ def _start_restore(snap: Snapshot, rec: records.Record, p: Paths, helper: record
         str(p.criu), "restore", "-D", str(plan.images), "-W", str(logs), "--restore-detached",
         "--root", str(sub / "root"),
         "--pidfile", str(logs / f"{rec.id}.pid"), "--tcp-established", "--file-locks",
-        "--external", f"mnt[snap]:{view or snapview.view_for(snap)}", "--manage-cgroups=ignore",
+        "--external", f"mnt[snap]:{view or views.view_for(snap)}", "--manage-cgroups=ignore",
         *(_device_mounts(dump=False) if rec.userns_base is not None else []),
         "-o", str(logs / f"{rec.id}-restore.log"), "-v4", *plan.args,
     ]
@@ -690,7 +680,7 @@ def release_snapshot(snap_id: str | None, p: Paths) -> None:
         return
     if snap.meta.get("ephemeral") and not any(snap.users().values()):
         _remove_dir(snap.path, p)
-        snapview.remove(snap.id, p)  # as delete() does: else every ws.fork left its view behind
+        views.remove(snap.id, p)  # as delete() does: else every ws.fork left its view behind
         for needed in {snap.parent, *snap.meta.get("refs", [])} - {None}:
             release_snapshot(needed, p)
 

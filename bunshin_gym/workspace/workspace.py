@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import hostlimits, idmap, memory, pool, records, snapshot, snapview
+from bunshin_gym.workspace import hostlimits, idmap, memory, pool, records, snapshot
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
@@ -32,6 +32,7 @@ from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
+from bunshin_gym.workspace.snapshots import views
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Workspace:
             cg = Cgroup.create(ws_id, limits)
             proc = subprocess.run(
                 [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
-                 str(sub / "upper"), str(sub / "work"), str(snapview.empty_view(p)), hostname or ws_id,
+                 str(sub / "upper"), str(sub / "work"), str(views.empty_view(p)), hostname or ws_id,
                  idmap.launch_arg(ids), *cg.procs_files],
                 capture_output=True, text=True, timeout=60,
             )

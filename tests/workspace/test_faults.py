@@ -22,11 +22,12 @@ from conftest import REPO, leftovers
 from fork_programs import host
 
 from bunshin_gym.config import paths
-from bunshin_gym.workspace import Workspace, WorkspaceClosed, WorkspaceError, dumping, gc, integrity, records, uffd
+from bunshin_gym.workspace import Workspace, WorkspaceClosed, WorkspaceError, dumping, gc, records, uffd
 from bunshin_gym.workspace import snapshot as snapshot_mod
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SnapshotError
 from bunshin_gym.workspace.snapshot import SnapshotStore
+from bunshin_gym.workspace.snapshots import integrity
 from bunshin_gym.workspace.workspace import reclaim
 
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /run/counter; sleep 0.05; done"
@@ -305,6 +306,7 @@ def test_gc_reclaims_a_detached_half_restored_clone_whose_controller_was_killed(
     try:
         ctl = _controller(f"""
             from bunshin_gym.workspace.snapshot import SnapshotStore
+from bunshin_gym.workspace.snapshots import integrity
             SnapshotStore().get({snap.id!r}).fork(1, detached=True)
         """)
         (criu,) = _wait_for(lambda: _criu("restore", snap.id))
@@ -786,7 +788,7 @@ KILLED_CREATE = """
     elif point == "subvolume":  # the subvolume (upper, work) exists, no cgroup
         Cgroup.create = die
     elif point == "cgroup":  # the cgroup exists, nothing launched
-        workspace.snapview.empty_view = die
+        workspace.views.empty_view = die
     elif point == "launched":  # PID 1 runs in its namespaces and cgroup, not recorded yet
         subprocess.run = run
     elif point == "recorded":  # PID 1 recorded, its agent not answered yet

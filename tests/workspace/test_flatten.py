@@ -18,9 +18,10 @@ from fork_programs import host
 from fork_programs.host import heap, sh
 
 from bunshin_gym.config import paths
-from bunshin_gym.workspace import Workspace, flatten
+from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.errors import SnapshotError
 from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
+from bunshin_gym.workspace.snapshots import flatten
 
 PORT = 7011
 MB = 24

@@ -10,8 +10,9 @@ import pytest
 from fork_programs import host
 from fork_programs.host import DIR, heap, sh
 
-from bunshin_gym.workspace import Workspace, delta, snapshot
+from bunshin_gym.workspace import Workspace, snapshot
 from bunshin_gym.workspace.memory import MemoryMode
+from bunshin_gym.workspace.snapshots import delta
 
 HEAP_MB = 100
 PORT = 7001

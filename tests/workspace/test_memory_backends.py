@@ -207,7 +207,7 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_backends_and_the_mechanisms_they_drive_import_no_handle_module():
-    handles = {f"bunshin_gym.workspace.{m}" for m in ("workspace", "snapshot", "gc", "delta", "flatten", "pristine")}
+    handles = {f"bunshin_gym.workspace.{m}" for m in ("workspace", "snapshot", "gc", "snapshots", "pristine")}
     for path in [*sorted((PKG / "memory").glob("*.py")), PKG / "uffd.py", PKG / "kmod.py", PKG / "records.py"]:
         wrong = {m for m in _imported(path) if any(m == h or m.startswith(h + ".") for h in handles)}
         assert not wrong, f"{path.relative_to(PKG)} imports {sorted(wrong)}"
@@ -221,7 +221,7 @@ MODE_NAMES = {"uffd", "kmod", "ksm_acquire", "ksm_release", "uses_uffd", "uses_k
 def test_the_restore_teardown_gc_and_delta_code_names_no_mode():
     """The five places the modes used to be wired into by hand ask the backend instead: adding a
     mode touches only its file and the registry."""
-    for name in ("snapshot.py", "workspace.py", "gc.py", "delta.py"):
+    for name in ("snapshot.py", "workspace.py", "gc.py", "snapshots/delta.py"):
         tree = ast.parse((PKG / name).read_text())
         named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
             {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \

@@ -159,7 +159,7 @@ def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
     """Take over every file of another snapshot that the images in ``path/criu`` name and
     rewrite ``files.img`` to name the taken-over files. Returns what was done (for meta.json).
     A share-mode delta first gets the pages it has in its parent (:func:`delta.materialize`)."""
-    from bunshin_gym.workspace import delta  # delta reads and writes images with this module
+    from bunshin_gym.workspace.snapshots import delta  # delta reads and writes images with this module
 
     p = p or paths()
     t0 = time.perf_counter()
@@ -232,7 +232,8 @@ def _lock(p: Paths):
 def flatten_snapshot(snap: Snapshot) -> dict:
     """Flatten an existing snapshot in place (see :meth:`Snapshot.flatten`). Idempotent; clones
     restored before keep the files they map, and keep those snapshots in use (stale_clones)."""
-    from bunshin_gym.workspace import integrity, snapshot
+    from bunshin_gym.workspace import snapshot
+    from bunshin_gym.workspace.snapshots import integrity
 
     p = snap._p
     with _lock(p):

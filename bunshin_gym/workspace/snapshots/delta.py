@@ -24,8 +24,9 @@ import shutil
 from pathlib import Path
 
 from bunshin_gym.config import Paths, criu_carries, paths, uffd_delta
-from bunshin_gym.workspace import flatten, memory, records
+from bunshin_gym.workspace import memory, records
 from bunshin_gym.workspace.errors import ForkError
+from bunshin_gym.workspace.snapshots import flatten
 
 #: the criu binary dumps share clones as deltas if it contains this string (criu/patches/0014-*)
 DELTA_MARKER = b"CRIU_UFFD_PARENT"
