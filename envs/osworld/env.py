@@ -367,6 +367,13 @@ class OSWorldEnv(WorkspaceEnv):
             self._x.close()
             raise ChannelError(f"{self.workspace.id}: the X display at {path}: {e}") from e
 
+    def screenshot_damage(self, old: np.ndarray, new: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+        """What was drawn between two screenshots this env returned, ``old`` first: the
+        rectangles ``(x, y, w, h)`` outside which ``new`` equals ``old`` (from the X server's
+        damage, see :meth:`~bunshin_gym.envs.osworld.xclient.XScreen.damage_between`); None when
+        that is not known (not recent, read on another connection, or whole-screen reads)."""
+        return self._x.damage_between(old, new) if self._x is not None else None
+
     def accessibility_tree(self, walker: str = "fast", seconds: float = 8.0, process: bool = False) -> str:
         """The AT-SPI tree as XML (the X window tree if AT-SPI does not answer).
 

@@ -14,7 +14,9 @@ client keeps the last frame and, on each capture, asks the server what was drawn
 all under a server grab, so no other client draws between the question and the reads: the
 frame is what a whole-screen ``GetImage`` at that moment gives, pixel for pixel. A step
 that changed little reads little (a pointer move: nothing). The first capture of a
-connection reads the whole screen.
+connection reads the whole screen. The rectangles read for the last few captures stay
+known (:meth:`XScreen.damage_between`), so whoever holds an earlier frame can be sent what
+changed since without comparing frames (``bunshin serve`` does).
 
 The X server runs inside the workspace and is not trusted: each request has a deadline
 (``timeout``, for the whole reply), and a reply longer than the image asked for (or than
@@ -32,6 +34,8 @@ import logging
 import socket
 import struct
 import time
+import weakref
+from collections import deque
 
 import numpy as np
 
@@ -49,6 +53,8 @@ MAX_EVENT = 1 << 20
 MAX_REGION = 8 << 20
 #: more damaged rectangles than this are read as their bounding box
 MAX_RECTS = 64
+#: captures whose rectangles are remembered (what :meth:`XScreen.damage_between` answers for)
+DAMAGE_LOG = 16
 
 
 class XScreen:
@@ -74,6 +80,9 @@ class XScreen:
         self._frame: np.ndarray | None = None  # RGB of the last capture on this connection
         #: pixels the last capture read from the server (the whole screen without tracking)
         self.last_read_pixels = 0
+        #: the last captures of this connection's frame: (the array returned, weakly; the
+        #: rectangles read for it). Weak: nothing is kept alive for an in-process env
+        self._captures: deque[tuple[weakref.ref, list[tuple[int, int, int, int]]]] = deque(maxlen=DAMAGE_LOG)
 
     # connection ---------------------------------------------------------------------
     def connect(self) -> None:
@@ -111,6 +120,7 @@ class XScreen:
             self._sock.close()
             self._sock = None
         self._tracking, self._frame = None, None  # the server frees a connection's objects
+        self._captures.clear()  # a new connection's first frame owes nothing to these
 
     @property
     def connected(self) -> bool:
@@ -171,20 +181,35 @@ class XScreen:
                     self._tracking = False
             if self._tracking is False:
                 return self._whole_frame()
-            self._update_frame(deadline, verify)
+            rects = self._update_frame(deadline, verify)
         except BaseException:
             self.close()
             raise
-        return self._frame.copy()
+        out = self._frame.copy()
+        self._captures.append((weakref.ref(out), rects))
+        return out
+
+    def damage_between(self, old: np.ndarray, new: np.ndarray) -> list[tuple[int, int, int, int]] | None:
+        """The rectangles ``(x, y, w, h)`` read between two frames this connection's
+        :meth:`capture` returned, ``old`` before ``new`` (by identity): ``new`` is ``old`` with
+        those rectangles replaced by ``new``'s pixels, as long as neither array was written
+        since. None when either is not among the last :data:`DAMAGE_LOG` captures of this
+        connection, or ``new`` is not later than ``old``."""
+        at = {id(ref()): i for i, (ref, _) in enumerate(self._captures) if ref() is not None}
+        i, j = at.get(id(old)), at.get(id(new))
+        if i is None or j is None or j < i:
+            return None
+        return [r for _, rects in list(self._captures)[i + 1:j + 1] for r in rects]
 
     def _whole_frame(self) -> np.ndarray:
         frame = bgrx_to_rgb(self.capture_bgrx())
         self.last_read_pixels = frame.shape[0] * frame.shape[1]
         return frame
 
-    def _update_frame(self, deadline: float, verify: bool = False) -> None:
+    def _update_frame(self, deadline: float, verify: bool = False) -> list[tuple[int, int, int, int]]:
         """Read what was drawn since the last capture into ``_frame`` (all of it the first time),
-        under a server grab: no client draws between the damage taken and the pixels read."""
+        under a server grab: no client draws between the damage taken and the pixels read;
+        returns the rectangles read."""
         damage_op, xfixes_op, damage, region = self._tracking
         first = self._frame is None
         grab = struct.pack("<BxH", 36, 1)
@@ -214,6 +239,7 @@ class XScreen:
                 (y0, x0), (y1, x1) = bad.min(axis=0), bad.max(axis=0)
                 raise XError(f"damage tracking missed {len(bad)} pixels, in x {x0}..{x1}, y {y0}..{y1} "
                              f"(read this time: {rects})")
+        return rects
 
     def _read_region(self, deadline: float) -> list[tuple[int, int, int, int]]:
         """The rectangles of a ``XFixesFetchRegion`` reply, clipped to the screen; their

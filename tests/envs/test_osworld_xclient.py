@@ -112,3 +112,29 @@ def test_the_env_reads_whole_screens_when_told_to(desktop_env):
         assert u._x.last_read_pixels < 1920 * 1080  # tracked again
     finally:
         u.track_damage = True
+
+
+def test_damage_between_two_frames_rebuilds_the_later_one(desktop_env):
+    """What was read between two captures, applied to the earlier frame, gives the later one
+    exactly (what ``bunshin serve`` sends instead of comparing frames); unknown frames and a
+    new connection give None."""
+    u = desktop_env.unwrapped
+    first = u.screenshot()
+    frames = [first]
+    for action in ["pyautogui.moveTo(640, 400)", "pyautogui.write('echo damage')", "pyautogui.press('enter')"]:
+        _, _, _, _, info = desktop_env.step(action)
+        assert "error" not in info, info
+        frames.append(u.screenshot())
+    for old in frames[:-1]:
+        rects = u.screenshot_damage(old, frames[-1])
+        assert rects is not None
+        rebuilt = old.copy()
+        for x, y, w, h in rects:
+            rebuilt[y:y + h, x:x + w] = frames[-1][y:y + h, x:x + w]
+        assert np.array_equal(rebuilt, frames[-1])
+    assert sum(w * h for x, y, w, h in u.screenshot_damage(first, frames[-1])) < 1920 * 1080 // 2
+    assert u.screenshot_damage(frames[1], frames[1]) == []
+    assert u.screenshot_damage(frames[-1], first) is None  # not later
+    assert u.screenshot_damage(first.copy(), frames[-1]) is None  # equal bytes, another array
+    u._x.close()  # a new connection: its first frame is read whole, the old ones are not its own
+    assert u.screenshot_damage(first, u.screenshot()) is None
