@@ -82,9 +82,9 @@ def _criu() -> str:
 
 
 def _pycriu() -> str:
-    from bunshin_gym.workspace.snapshots import flatten
+    from bunshin_gym.workspace.snapshots import criu_images
 
-    images = flatten.pycriu_images(paths())
+    images = criu_images.pycriu_images(paths())
     return f"pycriu from {images.__file__.rsplit('/pycriu/', 1)[0]} (snapshot flattening rewrites CRIU images)"
 
 

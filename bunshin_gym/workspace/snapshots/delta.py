@@ -26,7 +26,7 @@ from pathlib import Path
 from bunshin_gym.config import Paths, criu_carries, paths, uffd_delta
 from bunshin_gym.workspace import memory, records
 from bunshin_gym.workspace.errors import ForkError
-from bunshin_gym.workspace.snapshots import flatten
+from bunshin_gym.workspace.snapshots.criu_images import load_image, write_image
 
 #: the criu binary dumps share clones as deltas if it contains this string (criu/patches/0014-*)
 DELTA_MARKER = b"CRIU_UFFD_PARENT"
@@ -46,7 +46,7 @@ PAGE = 4096
 
 def read_pagemap(path: Path) -> tuple[str, int, list[tuple[int, int, int]]]:
     """(magic, pages_id, [(vaddr, nr_pages, flags)]) of a pagemap-N.img."""
-    img = flatten.load_image(path)
+    img = load_image(path)
     if not img["entries"]:
         return img["magic"], 0, []
     head, *ents = img["entries"]
@@ -58,7 +58,7 @@ def read_pagemap(path: Path) -> tuple[str, int, list[tuple[int, int, int]]]:
 def write_pagemap(path: Path, magic: str, pages_id: int, ents: list[tuple[int, int, int]]) -> None:
     entries = [{"pages_id": pages_id}] + [{"vaddr": v, "compat_nr_pages": 0, "nr_pages": n, "flags": fl}
                                                for v, n, fl in ents]
-    flatten.write_image({"magic": magic, "entries": entries}, path, paths())
+    write_image({"magic": magic, "entries": entries}, path, paths())
 
 
 def _task_pagemaps(criu_dir: Path) -> list[Path]:

@@ -33,11 +33,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import io
 import json
 import os
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, max_snapshot_depth, paths
 from bunshin_gym.errors import FlattenUnavailable, SnapshotError
+from bunshin_gym.workspace.snapshots.criu_images import load_image, write_image
 
 if TYPE_CHECKING:
     from bunshin_gym.workspace import records
@@ -62,45 +61,6 @@ def max_depth() -> int:
     """How many ancestors' page files a snapshot may reference before it is flattened
     (``BUNSHIN_MAX_SNAPSHOT_DEPTH``, read at use)."""
     return max_snapshot_depth()
-
-
-# CRIU images ---------------------------------------------------------------------------
-def pycriu_images(p: Paths):
-    """pycriu.images, from the CRIU prefix (criu/pycriu.sh) if not importable otherwise."""
-    try:
-        from pycriu import images  # type: ignore[import-not-found]
-        return images
-    except ImportError:
-        pass
-    where = p.criu_prefix / "lib" / "python"
-    if str(where) not in sys.path and (where / "pycriu").is_dir():
-        sys.path.append(str(where))
-    try:
-        from pycriu import images  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise FlattenUnavailable(f"cannot flatten snapshots: pycriu is not importable ({e}); it is installed "
-                                 f"into {where} by criu/pycriu.sh (scripts/setup.sh), with the protobuf "
-                                 f"package in the venv") from None
-    return images
-
-
-def load_image(path: Path, p: Paths | None = None) -> dict:
-    """A CRIU image file decoded by pycriu (``{"magic": ..., "entries": [...]}``)."""
-    images = pycriu_images(p or paths())
-    with open(path, "rb") as f:
-        return images.load(f)
-
-
-def write_image(img: dict, path: Path, p: Paths) -> None:
-    """Write a CRIU image file with pycriu, atomically (a crash leaves the old file)."""
-    buf = io.BytesIO()
-    pycriu_images(p).dump(img, buf)
-    tmp = path.with_name(path.name + ".flatten-tmp")  # not *.img: never copied as an image
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _split(name: str) -> tuple[str, str, str] | None:
