@@ -497,7 +497,6 @@ static const unsigned denied[] = {
 
 static void install_seccomp(void)
 {
-	struct sock_filter f[16 + 2 * sizeof(denied) / sizeof(denied[0]) + 8];
 	struct sock_filter head[] = {
 		BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
 		BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
@@ -530,6 +529,10 @@ static void install_seccomp(void)
 		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EINVAL),
 		BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
 	};
+	/* sized from the three parts (a fixed guess was three entries short once the tail grew,
+	 * and the filter was written past the array on PID 1's stack) */
+	struct sock_filter f[sizeof(head) / sizeof(head[0]) + 2 * sizeof(denied) / sizeof(denied[0]) +
+			     sizeof(tail) / sizeof(tail[0])];
 	size_t n = 0;
 	struct sock_fprog prog;
 
