@@ -9,7 +9,9 @@ It is a ``gymnasium.Env`` with the local envs' ``clone()``, ``snapshot()`` and
 ``rollback()``. Observations come back byte-for-byte as they are locally, arrays as read-only
 numpy arrays: they travel zstd-compressed (:mod:`bunshin_gym.serve.codec`) and, once the env
 holds a large array (a screenshot), as its changed rows only, or as "unchanged" (the same
-array object comes back; :mod:`bunshin_gym.serve.frames`). The token is ``token=`` or
+array object comes back; :mod:`bunshin_gym.serve.frames`). Reset, step and rollback go over
+the env's channel, a WebSocket kept open (:mod:`bunshin_gym.remote_channel`; ``channel=False``
+or a server without channels: HTTP, as every other call). The token is ``token=`` or
 ``$BUNSHIN_SERVE_TOKEN``. While open, a RemoteEnv tells the server it is alive every third of
 the server's idle timeout; an env whose client is gone is reclaimed by the server once idle.
 """
@@ -31,6 +33,7 @@ import urllib3
 
 from bunshin_gym import config
 from bunshin_gym.errors import BunshinError, ResetNeeded
+from bunshin_gym.remote_channel import Channel, ChannelError, ChannelRefusal
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.frames import HeldFrames
 
@@ -137,16 +140,21 @@ class RemoteEnv(gym.Env):
         ttl: seconds the server keeps the env at most (default: the server's).
         frame_deltas: receive a large array the env already sent as its changes only (default);
             False: whole arrays in every answer.
+        channel: reset, step and rollback over a WebSocket kept open to the env (default);
+            False: over HTTP like every other call.
         **kwargs: the env's own keyword arguments (``task``, ``limits``, ...).
     """
 
     metadata = {"render_modes": []}
 
     def __init__(self, env_id: str, server: str, *, token: str | None = None, timeout: float = 600.0,
-                 ttl: float | None = None, frame_deltas: bool = True,
+                 ttl: float | None = None, frame_deltas: bool = True, channel: bool = True,
                  _attach: tuple[_Connection, dict] | None = None, _held: HeldFrames | None = None, **kwargs: Any):
         self.env_id = env_id
         self.server = server
+        #: the env's channel: None until the first hot call opens it, or when not used
+        self._channel: Channel | None = None
+        self._use_channel = channel
         #: the large arrays this handle received last, by place: the bases of the next answer's deltas
         self._held: HeldFrames | None = (_held or HeldFrames()) if frame_deltas else None
         if _attach is not None:
@@ -171,7 +179,8 @@ class RemoteEnv(gym.Env):
         self._desc = desc
         self._closed = False
         #: timings of the last step: the server's own (``step_s``, ...), the server's encoding of
-        #: the answer (``encode_s``), its decoding here (``decode_s``) and the whole call (``request_s``)
+        #: the answer (``encode_s``), its decoding here (``decode_s``), the whole call (``request_s``) and,
+        #: over the channel, the server's time on the request from receipt to answer (``server_s``)
         self.last_step_timing: dict[str, float] = {}
         self._stop = threading.Event()
         idle = desc.get("idle_timeout") or 0
@@ -187,12 +196,43 @@ class RemoteEnv(gym.Env):
         return self._conn.request(method, path, body)
 
     def _observe(self, what: str, body: dict, timing: dict | None = None) -> dict:
-        """A request whose answer carries an observation: it names the arrays held here."""
+        """A request whose answer carries an observation: it names the arrays held here.
+        Over the env's channel unless it is off; HTTP for a server that has none."""
         if self._closed:
             raise RemoteError(f"RemoteEnv {self.remote_id} is closed")
         if self._held is not None:
             body = {**body, "frames": self._held.ids()}
+        if self._use_channel:
+            if self._channel is None:
+                conn = self._conn
+                self._channel = Channel(conn.server, self.remote_id, conn.token, conn.timeout)
+                weakref.finalize(self, self._channel.close)
+            t0 = time.perf_counter()
+            try:
+                data, server_s, encode_s = self._channel.call(
+                    what, body, self._held.prepare if self._held is not None else None)
+            except ChannelRefusal as e:
+                if e.status == 409 and e.error == "ResetNeeded":
+                    raise ResetNeeded(str(e)) from None  # as the local env raises it
+                raise RemoteError(f"{what}: {e.status}: {e}", e.status) from None
+            except ChannelError as e:
+                if e.status != 403:
+                    raise RemoteError(f"{what}: {e}", e.status) from None
+                # refused before anything was sent: a server without env channels
+                log.info("%s has no env channel (%s): HTTP from now on", self.server, e)
+                self._use_channel = False
+            else:
+                t1 = time.perf_counter()
+                value = codec.decode(data, self._held)
+                if timing is not None:
+                    done = time.perf_counter()
+                    timing.update(request_s=done - t0, decode_s=done - t1, server_s=server_s, encode_s=encode_s)
+                return value
         return self._conn.request("POST", f"/envs/{self.remote_id}/{what}", body, self._held, timing)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
 
     # gymnasium API ---------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict | None = None):
@@ -211,6 +251,7 @@ class RemoteEnv(gym.Env):
         if self._closed:
             return
         self._stop.set()
+        self._close_channel()
         try:
             self._call("DELETE", "")
         except RemoteError as e:
@@ -226,6 +267,7 @@ class RemoteEnv(gym.Env):
         :meth:`attach`, goes on using it): keepalives stop, the connection is released."""
         if not self._closed:
             self._stop.set()
+            self._close_channel()
             self._closed = True
             self._release()
 
@@ -242,7 +284,7 @@ class RemoteEnv(gym.Env):
 
     @classmethod
     def attach(cls, env_id: str, server: str, remote_id: str, *, token: str | None = None,
-               timeout: float = 600.0, frame_deltas: bool = True) -> RemoteEnv:
+               timeout: float = 600.0, frame_deltas: bool = True, channel: bool = True) -> RemoteEnv:
         """A handle on env ``remote_id`` already made on ``server`` (by this token's owner),
         e.g. in another process. Its spaces are those of ``env_id``'s local registration."""
         conn = _Connection(server, token, timeout)
@@ -257,7 +299,8 @@ class RemoteEnv(gym.Env):
         except BaseException:
             conn.http.close()
             raise
-        return cls(env_id, server, _attach=(conn, {"id": remote_id, **spaces}), frame_deltas=frame_deltas)
+        return cls(env_id, server, _attach=(conn, {"id": remote_id, **spaces}), frame_deltas=frame_deltas,
+                   channel=channel)
 
     # fork API --------------------------------------------------------------------------
     def clone(self, n: int = 1, *, lazy: bool = False) -> list[RemoteEnv]:
@@ -265,7 +308,8 @@ class RemoteEnv(gym.Env):
         out = self._call("POST", "clone", {"n": n, "lazy": lazy})
         # a clone's frame store on the server starts as a copy of this env's: so may its bases here
         return [RemoteEnv(self.env_id, self.server, _attach=(self._conn, d), frame_deltas=self._held is not None,
-                          _held=self._held.copy() if self._held is not None else None) for d in out["envs"]]
+                          channel=self._use_channel, _held=self._held.copy() if self._held is not None else None)
+                for d in out["envs"]]
 
     def snapshot(self, **tags: Any) -> RemoteSnapshot:
         out = self._call("POST", "snapshot", {"tags": tags})

@@ -1,14 +1,18 @@
 """``bunshin bench serve``: what ``bunshin serve`` adds over calling the library in-process.
 
-- shell step latency: the same shell env and action (``true``) in-process and as a
-  RemoteEnv over loopback, rounds interleaved; the goal is at most 5 ms added at the median;
-  the round trip of an authenticated no-op request is measured too (what HTTP costs here);
-- desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot) in-process,
-  as a RemoteEnv (screenshots as frame deltas) and as a RemoteEnv receiving whole screenshots
-  (``frame_deltas=False``, what the deltas save), rounds interleaved; the goal is a remote
-  median at most 1.2x the in-process one. Where the remote time goes is measured at both
-  ends: the env's step in the server, the server's encoding of the answer (its
-  ``Server-Timing`` header), the client's decoding, and the rest (HTTP, threads, JSON);
+- shell step latency: the same shell env and action (``true``) in-process, as a RemoteEnv
+  over its env channel (the default: a WebSocket kept open) and as a RemoteEnv over HTTP
+  (``channel=False``, the path before channels), rounds interleaved; the goal is at most
+  5 ms added at the median. The round trips of an authenticated HTTP no-op request and of a
+  channel message the server refuses at once are measured too (what each transport costs);
+- desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot)
+  in-process, over the channel (screenshots as the rectangles X says were drawn), over HTTP,
+  and over the channel receiving whole screenshots (``frame_deltas=False``, what deltas
+  save), rounds interleaved; the goal is a remote median at most 1.2x the in-process one.
+  Where the remote time goes is measured at both ends: the env's step in the server, the
+  server's encoding of the answer, the rest of the server's time on the request (channel:
+  reading it, the hop to the env's thread and back), the client's decoding, and the rest
+  (the transport and the client);
 - fork of 16: ``Sandbox.fork(count=16)`` through the E2B SDK against ``snapshot().fork(16)``
   of a workspace in-process (one freeze, 16 copies, both);
 - throughput: 64 client threads, each stepping its own RemoteEnv (a clone of one env) as fast
@@ -96,8 +100,10 @@ def _interleaved(local: gym.Env, remote: gym.Env, actions: list, rounds: int) ->
 
 def breakdown(parts: list[dict]) -> dict:
     """Medians (ms) of where a remote step's time went: the env's step in the server
-    (``server_step``), encoding the answer there, decoding it here, and the rest of the
-    call (HTTP on both ends, the server's thread hop, JSON): ``request - the three``."""
+    (``server_step``), encoding the answer there, the rest of the server's time on the
+    request (channel only: its ``server_s`` less those two), decoding it here, and the rest
+    of the call (the transport and the client; over HTTP also the server's routing and
+    thread hop, which it does not time): ``request - server - decode``."""
     def med(xs: list[float]) -> float:
         return round(statistics.median(xs) * 1e3, 3)
 
@@ -105,42 +111,70 @@ def breakdown(parts: list[dict]) -> dict:
     parts = [p for p in parts if all(k in p for k in keys)]
     if not parts:
         return {}
+    server = [p.get("server_s", p["step_s"] + p["encode_s"]) for p in parts]
     return {"server_step_ms": med([p["step_s"] for p in parts]),
             "server_encode_ms": med([p["encode_s"] for p in parts]),
+            "server_other_ms": med([s - p["step_s"] - p["encode_s"] for s, p in zip(server, parts, strict=True)]),
             "client_decode_ms": med([p["decode_s"] for p in parts]),
-            "rest_ms": med([p["request_s"] - p["step_s"] - p["encode_s"] - p["decode_s"] for p in parts])}
+            "transport_and_client_ms": med([p["request_s"] - s - p["decode_s"]
+                                            for s, p in zip(server, parts, strict=True)])}
+
+
+def _round_trips(remote, n: int) -> tuple[list[float], list[float]]:
+    """Round trips of an authenticated HTTP no-op (a keepalive) and of a channel message the
+    server refuses at once (an unknown op), interleaved."""
+    from bunshin_gym.remote_channel import ChannelRefusal
+
+    http, channel = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        remote._call("POST", "keepalive")
+        http.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        try:
+            remote._channel.call("nop", {})
+        except ChannelRefusal:
+            pass
+        channel.append(time.perf_counter() - t0)
+    return http, channel
 
 
 def shell_step(server: _Server, steps: int, rounds: int) -> dict:
     local = gym.make("Bunshin-Shell-v0", max_steps=10**6)
     remote = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, max_steps=10**6)
+    http = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, channel=False, max_steps=10**6)
+    envs = (local, remote, http)
+    times: tuple[list[float], ...] = ([], [], [])
     try:
-        local.reset(options={"task": SHELL_TASK})
-        remote.reset(options={"task": SHELL_TASK})
-        loc, rem = _interleaved(local, remote, ["true"] * steps, rounds)
-        # the HTTP round trip alone (an authenticated no-op request), for what the host gives
-        floor = []
-        for _ in range(steps * rounds):
-            t0 = time.perf_counter()
-            remote._call("POST", "keepalive")
-            floor.append(time.perf_counter() - t0)
+        for env in envs:
+            env.reset(options={"task": SHELL_TASK})
+        actions = ["true"] * steps
+        for env in envs:
+            _steps(env, actions[:3], [])  # warm: connections, first requests
+        for _ in range(rounds):
+            for env, ts in zip(envs, times, strict=True):
+                _steps(env, actions, ts)
+        floor_http, floor_channel = _round_trips(remote.unwrapped, steps * rounds)
     finally:
-        local.close()
-        remote.close()
-    out = {"in_process": summary(loc), "remote": summary(rem), "http_round_trip": summary(floor)}
+        for env in envs:
+            env.close()
+    out = {"in_process": summary(times[0]), "remote": summary(times[1]), "remote_http": summary(times[2]),
+           "http_round_trip": summary(floor_http), "channel_round_trip": summary(floor_channel)}
     out["added_median_ms"] = round(out["remote"]["median_ms"] - out["in_process"]["median_ms"], 3)
+    out["added_median_ms_http"] = round(out["remote_http"]["median_ms"] - out["in_process"]["median_ms"], 3)
     out["goal_added_median_ms"] = 5.0
     return out
 
 
 def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
     kwargs = dict(action_space="computer_13", require_a11y_tree=False, max_steps=10**6)
-    local = gym.make("Bunshin-OSWorld-v0", **kwargs)
-    remote = gym.make("Bunshin-OSWorld-v0", server=server.url, token=server.token, **kwargs)
-    whole = gym.make("Bunshin-OSWorld-v0", server=server.url, token=server.token, frame_deltas=False, **kwargs)
-    envs = (local, remote, whole)
-    times: tuple[list[float], ...] = ([], [], [])
-    parts: tuple[list[dict], ...] = ([], [])
+    remote_kw = dict(server=server.url, token=server.token, **kwargs)
+    names = ("in_process", "remote", "remote_http", "remote_whole_frames")
+    envs = (gym.make("Bunshin-OSWorld-v0", **kwargs), gym.make("Bunshin-OSWorld-v0", **remote_kw),
+            gym.make("Bunshin-OSWorld-v0", channel=False, **remote_kw),
+            gym.make("Bunshin-OSWorld-v0", frame_deltas=False, **remote_kw))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    parts: dict[str, list[dict]] = {n: [] for n in names[1:]}
     try:
         for env in envs:
             env.reset(options={"task": DESKTOP_TASK})
@@ -149,16 +183,17 @@ def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
         for env in envs:
             _steps(env, actions[:3], [])  # warm: connections, first requests, the first whole frame
         for _ in range(rounds):
-            _steps(local, actions, times[0])
-            _steps(remote, actions, times[1], parts[0])
-            _steps(whole, actions, times[2], parts[1])
+            for name, env in zip(names, envs, strict=True):
+                _steps(env, actions, times[name], parts.get(name))
     finally:
         for env in envs:
             env.close()
-    out = {"in_process": summary(times[0]), "remote": summary(times[1]), "remote_whole_frames": summary(times[2]),
-           "remote_breakdown": breakdown(parts[0]), "remote_whole_frames_breakdown": breakdown(parts[1])}
+    out: dict = {name: summary(times[name]) for name in names}
+    for name in names[1:]:
+        out[f"{name}_breakdown"] = breakdown(parts[name])
     local_ms = out["in_process"]["median_ms"]
     out["ratio_median"] = round(out["remote"]["median_ms"] / local_ms, 3)
+    out["ratio_median_http"] = round(out["remote_http"]["median_ms"] / local_ms, 3)
     out["ratio_median_whole_frames"] = round(out["remote_whole_frames"]["median_ms"] / local_ms, 3)
     out["goal_ratio_median"] = 1.2
     return out
@@ -267,22 +302,30 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
     results["load_after"] = os.getloadavg()
     sh = results["shell_step"]
     rows = [["shell step", sh["in_process"]["median_ms"], sh["remote"]["median_ms"],
-             f"+{sh['added_median_ms']} ms (goal <= 5)"]]
+             f"+{sh['added_median_ms']} ms (goal <= 5)"],
+            ["  over HTTP", sh["in_process"]["median_ms"], sh["remote_http"]["median_ms"],
+             f"+{sh['added_median_ms_http']} ms"]]
     if desktop:
         d = results["desktop_step"]
         rows.append(["desktop step", d["in_process"]["median_ms"], d["remote"]["median_ms"],
                      f"{d['ratio_median']}x (goal <= 1.2x)"])
+        rows.append(["  over HTTP", d["in_process"]["median_ms"], d["remote_http"]["median_ms"],
+                     f"{d['ratio_median_http']}x"])
         rows.append(["  whole frames", d["in_process"]["median_ms"], d["remote_whole_frames"]["median_ms"],
                      f"{d['ratio_median_whole_frames']}x (no deltas)"])
     f = results["fork"]
     rows.append([f"fork {fork_n}", f["in_process"]["median_ms"], f["api_e2b_sdk"]["median_ms"],
                  f"{f['ratio_median']}x"])
     print(table(rows, ["median ms", "in-process", "through the server", ""]))
+    print(f"\nround trips (median ms): HTTP no-op {sh['http_round_trip']['median_ms']}, "
+          f"channel message {sh['channel_round_trip']['median_ms']}")
     if desktop:
-        parts = [["frame deltas", *d["remote_breakdown"].values()],
-                 ["whole frames", *d["remote_whole_frames_breakdown"].values()]]
+        parts = [["channel", *d["remote_breakdown"].values()],
+                 ["HTTP", *d["remote_http_breakdown"].values()],
+                 ["channel, whole frames", *d["remote_whole_frames_breakdown"].values()]]
         print("\nwhere a remote desktop step's time went (medians, ms)")
-        print(table(parts, ["", "server step", "server encode", "client decode", "HTTP and the rest"]))
+        print(table(parts, ["", "server step", "server encode", "server other", "client decode",
+                            "transport and client"]))
     t = results["throughput"]
     print(f"\n{t['clients']} clients: {t['steps_per_s']} steps/s over {t['seconds']} s, {t['errors']} errors")
     return write("serve", results, json_path)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from bunshin_gym.config import paths
 from bunshin_gym.errors import BunshinError, ResetNeeded, TaskError
-from bunshin_gym.serve import e2b_api, envd, envs_api, ports, watch
+from bunshin_gym.serve import channel, e2b_api, envd, envs_api, ports, watch
 from bunshin_gym.serve.auth import Principal, TokenStore, token_from_headers
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import Command, Sandbox
@@ -308,6 +308,7 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
 
     api.include_router(e2b_api.router(service))
     api.include_router(envs_api.router(service))
+    api.include_router(channel.router(service))
     api.include_router(envd.files_router(service.registry))
     rpc = envd.rpc_apps(service.registry, service.watchers)
 
@@ -337,5 +338,7 @@ def run(config: ServeConfig, *, log_level: str = "info", close_on_exit: bool = F
     app = create_app(config, close_on_shutdown=close_on_exit)
     # keep-alive: longer than clients keep idle connections (httpx 5 s, RemoteEnv 30 s), so a
     # client never sends a request on a connection the server is closing at that moment
+    # no WebSocket pings: an env channel's client reads only while it waits for an answer, and
+    # a policy may think for minutes; a silent channel is closed after its env's idle timeout
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
-                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S)
+                timeout_graceful_shutdown=10, timeout_keep_alive=KEEP_ALIVE_S, ws_ping_interval=None)

@@ -11,7 +11,12 @@ value is replaced by ``{"__ndarray__": i, "dtype", "shape", "codec"}`` naming bl
 - with a frame store (the env API's per-env answers), large arrays also carry an ``id`` and
   the ``digest`` of the server's array, and may be ``same`` (no blob: the client's array at
   that place, ``base``, unchanged) or ``zstd-rows`` (the rows in ``spans`` replaced in the
-  client's ``base``): see :mod:`bunshin_gym.serve.frames`.
+  client's ``base``): see :mod:`bunshin_gym.serve.frames`;
+- where the env knows what was drawn between the client's array and the new one (a desktop's
+  X damage, ``damage=``), ``zstd-rects``: the pixels of the rectangles ``rects`` ([x, y, w, h]
+  on axes 1 and 0), back to back, replaced in ``base``; nothing is compared. Its digest is
+  computed after the answer went out (:meth:`~bunshin_gym.serve.frames.FrameStore.settle`)
+  and checked one answer late: a later answer against that base carries it as ``base_digest``.
 
 Bytes values travel as blobs too. Spaces travel as JSON descriptions (:func:`space_to_json`).
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,6 +41,9 @@ MEDIA_TYPE = "application/x-bunshin-frame"
 #: first fast level (-1) gave the same size as level 1 on desktop screenshots, 30-60% sooner
 ZSTD_LEVEL = -1
 _local = threading.local()  # zstd contexts are not thread-safe: one pair per thread
+#: what precedes a frame in an env channel's answer (:mod:`bunshin_gym.serve.channel`): the
+#: server's seconds on the request and its encoding's seconds, big-endian doubles
+CHANNEL_TIMING = struct.Struct(">dd")
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -48,14 +56,21 @@ class FrameError(BunshinError, ValueError):
     """Bytes that are not a frame of this format."""
 
 
+#: what an env knows was drawn between two arrays it returned, old then new: rectangles
+#: (x, y, w, h), or None when it does not know
+Damage = Callable[[np.ndarray, np.ndarray], "list[tuple[int, int, int, int]] | None"]
+
+
 class _Encoder:
     """One answer's encoding: blobs, and frame deltas when a store is given (see
     :mod:`bunshin_gym.serve.frames`)."""
 
-    def __init__(self, store: frames.FrameStore | None, bases: Mapping[str, str] | None):
+    def __init__(self, store: frames.FrameStore | None, bases: Mapping[str, str] | None,
+                 damage: Mapping[str, Damage] | None = None):
         self.blobs: list[bytes] = []
         self.store = store
         self.bases = bases or {}
+        self.damage = damage or {}
 
     def blob(self, data: Any) -> int:
         self.blobs.append(data)
@@ -72,8 +87,14 @@ class _Encoder:
         if entry is not None and entry[0].shape == a.shape and entry[0].dtype == a.dtype \
                 and not np.may_share_memory(entry[0], a):
             base, base_digest = entry
+            damage = self.damage.get(place)
+            rects = damage(base, a) if damage is not None and a.ndim >= 2 else None
+            if rects is not None:
+                ref = self.rects(a, head, base_id, base_digest, rects)
+                if ref is not None:
+                    return ref
             # unchanged, the common case, ends here: one memcmp (~0.7 ms for 6 MB, quiet)
-            if frames.identical(base, a):
+            elif frames.identical(base, a):
                 return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id,
                         "digest": base_digest}
             rows = frames.changed_rows(base, a)
@@ -86,6 +107,23 @@ class _Encoder:
         a_digest = frames.digest(a)
         return {"__ndarray__": self.blob(_zstd()[0].compress(frames.byte_view(a))), **head, "codec": "zstd",
                 "id": self.store.put(a, a_digest), "digest": a_digest}
+
+    def rects(self, a: np.ndarray, head: dict, base_id: str, base_digest: str | None,
+              rects: list[tuple[int, int, int, int]]) -> dict | None:
+        """``a`` as the client's ``base`` with ``rects`` replaced (the env's word for what
+        changed: nothing is compared); None when they cover too much of it to be worth it."""
+        checked = {"base_digest": base_digest} if base_digest is not None else {}
+        if not rects:
+            # the same pixels in a later array: that array is the base from now on (the env's
+            # damage is known from it onwards)
+            self.store.rebase(base_id, a)
+            return {"__ndarray__": None, **head, "codec": "same", "base": base_id, "id": base_id, **checked}
+        if sum(w * h for _, _, w, h in rects) > frames.MAX_CHANGED_SHARE * a.shape[0] * a.shape[1]:
+            return None
+        pixels = np.concatenate([a[y:y + h, x:x + w].reshape(-1) for x, y, w, h in rects])
+        data = _zstd()[0].compress(frames.byte_view(pixels))
+        return {"__ndarray__": self.blob(data), **head, "codec": "zstd-rects", "base": base_id,
+                "rects": [list(r) for r in rects], "id": self.store.put(a, None), **checked}
 
     def lower(self, value: Any, place: str) -> Any:
         if isinstance(value, np.ndarray):
@@ -116,7 +154,7 @@ class _Decoder:
             if kind == "zstd":
                 raw = _zstd()[1].decompress(self.blobs[ref["__ndarray__"]])
                 a = np.frombuffer(raw, dtype=dtype).reshape(shape)
-            elif kind in ("same", "zstd-rows"):
+            elif kind in ("same", "zstd-rows", "zstd-rects"):
                 base = self.held.get(place) if self.held is not None else None
                 if base is None or base[0] != ref["base"]:
                     raise FrameError(f"{place}: a delta against frame {ref['base']!r}, which this client does "
@@ -124,10 +162,17 @@ class _Decoder:
                 if base[1].shape != shape or base[1].dtype != dtype:
                     raise FrameError(f"{place}: a delta of a {shape} {dtype} array against a "
                                      f"{base[1].shape} {base[1].dtype} one")
+                if ref.get("base_digest") is not None:
+                    # the server's digest of the base, checked one answer late (see the module doc)
+                    if not self.held.check(place, ref["base"], ref["base_digest"]):
+                        raise FrameError(f"{place}: the array this client holds as {ref['base']} is not the "
+                                         "server's (digest mismatch, found one answer late)")
                 if kind == "same":
                     a = base[1]  # read-only: the same object serves again
+                elif kind == "zstd-rows":
+                    a = self.patch(base[1], ref, place)
                 else:
-                    a = self.patch(base[1], ref)
+                    a = self.patch_rects(base[1], ref, place)
             else:
                 raise FrameError(f"unknown array codec {kind!r}")
         except (KeyError, IndexError, TypeError, ValueError, zstandard.ZstdError) as e:
@@ -135,15 +180,20 @@ class _Decoder:
                 raise
             raise FrameError(f"a bad array in the frame: {e}") from None
         if "id" in ref:
-            if kind != "same" and frames.digest(a) != ref["digest"]:
+            if kind not in ("same", "zstd-rects") and frames.digest(a) != ref["digest"]:
                 raise FrameError(f"{place}: the rebuilt array is not the server's (digest mismatch)")
             self.received[place] = (ref["id"], a)
         return a
 
-    def patch(self, base: np.ndarray, ref: dict) -> np.ndarray:
+    def _writable_copy(self, base: np.ndarray, ref: dict, place: str) -> np.ndarray:
+        """A copy of the base to patch: the one the client made while it waited, if any."""
+        spare = self.held.take_spare(place, ref["base"]) if self.held is not None else None
+        return spare if spare is not None else base.copy()
+
+    def patch(self, base: np.ndarray, ref: dict, place: str) -> np.ndarray:
         rows = np.frombuffer(_zstd()[1].decompress(self.blobs[ref["__ndarray__"]]), dtype=base.dtype)
         rows = rows.reshape(-1, *base.shape[1:])
-        out = base.copy()
+        out = self._writable_copy(base, ref, place)
         at = 0
         for start, stop in ref["spans"]:
             if not 0 <= start < stop <= base.shape[0]:
@@ -154,39 +204,64 @@ class _Decoder:
             raise FrameError(f"a delta names {at} rows and carries {len(rows)}")
         return frames.frozen(out)
 
+    def patch_rects(self, base: np.ndarray, ref: dict, place: str) -> np.ndarray:
+        pixels = np.frombuffer(_zstd()[1].decompress(self.blobs[ref["__ndarray__"]]), dtype=base.dtype)
+        cell = int(np.prod(base.shape[2:], dtype=np.int64))  # values a pixel (3 for RGB)
+        height, width = base.shape[:2]
+        rects = ref["rects"]
+        if not isinstance(rects, list):
+            raise FrameError("a delta's rects must be a list")
+        out = self._writable_copy(base, ref, place)
+        at = 0
+        for x, y, w, h in rects:
+            if not (0 <= x < x + w <= width and 0 <= y < y + h <= height):
+                raise FrameError(f"a delta's rectangle {[x, y, w, h]} is outside the {width}x{height} array")
+            n = w * h * cell
+            if at + n > len(pixels):
+                raise FrameError(f"a delta's rectangles need more than the {len(pixels)} values it carries")
+            out[y:y + h, x:x + w] = pixels[at:at + n].reshape(h, w, *base.shape[2:])
+            at += n
+        if at != len(pixels):
+            raise FrameError(f"a delta's rectangles take {at} values and it carries {len(pixels)}")
+        return frames.frozen(out)
+
     def raise_(self, value: Any, place: str) -> Any:
         if isinstance(value, dict):
             if "__ndarray__" in value:
                 return self.array(value, place)
             if "__bytes__" in value and len(value) == 1:
-                return self.blobs[value["__bytes__"]]
+                return bytes(self.blobs[value["__bytes__"]])
             return {k: self.raise_(v, f"{place}/{k}") for k, v in value.items()}
         if isinstance(value, list):
             return [self.raise_(v, f"{place}/{i}") for i, v in enumerate(value)]
         return value
 
 
-def encode(value: Any, *, store: frames.FrameStore | None = None, bases: Mapping[str, str] | None = None) -> bytes:
+def encode(value: Any, *, store: frames.FrameStore | None = None, bases: Mapping[str, str] | None = None,
+           damage: Mapping[str, Damage] | None = None) -> bytes:
     """One frame holding ``value`` (dicts, lists, scalars, strings, arrays, bytes).
 
     With ``store`` (the env's :class:`~bunshin_gym.serve.frames.FrameStore`), large arrays
     are sent as deltas against the arrays the client holds (``bases``: {place: id}, as
-    :meth:`~bunshin_gym.serve.frames.HeldFrames.ids` gives them) and kept for the next answer.
+    :meth:`~bunshin_gym.serve.frames.HeldFrames.ids` gives them) and kept for the next answer;
+    ``damage`` ({place: function}) says what changed between two arrays at a place, where
+    the env knows (then nothing is compared).
     """
-    enc = _Encoder(store, bases)
+    enc = _Encoder(store, bases, damage)
     header = json.dumps({"value": enc.lower(value, ""), "_blobs": [len(b) for b in enc.blobs]},
                         separators=(",", ":"), allow_nan=True).encode()
     return b"".join([MAGIC, struct.pack(">I", len(header)), header, *enc.blobs])
 
 
-def decode(data: bytes, held: frames.HeldFrames | None = None) -> Any:
+def decode(data: bytes | memoryview, held: frames.HeldFrames | None = None) -> Any:
     """The value of a frame. ``held``: the client's frames, which deltas are applied to and
     which the answer's large arrays then replace (only once the whole frame decoded)."""
-    if data[:4] != MAGIC or len(data) < 8:
+    data = memoryview(data)  # blobs are views: a whole screenshot is not copied to be read
+    if len(data) < 8 or bytes(data[:4]) != MAGIC:
         raise FrameError("not a bunshin frame (bad magic)")
     (n,) = struct.unpack(">I", data[4:8])
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(bytes(data[8:8 + n]))
     except (ValueError, UnicodeDecodeError) as e:
         raise FrameError(f"a bad frame header: {e}") from None
     blobs, at = [], 8 + n

@@ -116,10 +116,89 @@ def bases_of(body: dict) -> dict[str, str] | None:
 
 def encode_for(lease: EnvLease, value: dict, bases: dict[str, str] | None) -> tuple[bytes, float]:
     """An env's answer, its large arrays as deltas against ``bases`` when the client names
-    any, and the seconds encoding it took."""
+    any (a desktop's screenshot by what the env says it drew since), and the seconds
+    encoding it took."""
     t0 = time.perf_counter()
-    data = codec.encode(value) if bases is None else codec.encode(value, store=lease.frames, bases=bases)
+    if bases is None:
+        data = codec.encode(value)
+    else:
+        damage = getattr(lease.env.unwrapped, "screenshot_damage", None)
+        data = codec.encode(value, store=lease.frames, bases=bases,
+                            damage={"/observation/screenshot": damage} if damage is not None else None)
     return data, time.perf_counter() - t0
+
+
+def _locked(lease: EnvLease, fn: Callable[..., Any], *args: Any) -> Any:
+    with lease.lock:
+        if lease.closed:
+            raise NotFound(f"no env {lease.id!r}")
+        return fn(*args)
+
+
+# the hot calls (an observation in the answer), shared by the HTTP routes and the env channel
+# (:mod:`bunshin_gym.serve.channel`): each checks its body, then gives the work to run on the
+# env's thread, which returns the encoded answer and the seconds its encoding took
+def reset_work(lease: EnvLease, body: dict) -> Callable[[], tuple[bytes, float]]:
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise ServeError("options must be an object", 400)
+    check_task((options or {}).get("task"))
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ServeError(f"seed must be an integer, got {seed!r}", 400)
+    bases = bases_of(body)
+
+    def work() -> tuple[bytes, float]:
+        obs, info = _locked(lease, lambda: lease.env.reset(seed=seed, options=options))
+        return encode_for(lease, {"observation": obs, "info": info}, bases)
+
+    return work
+
+
+def step_work(lease: EnvLease, body: dict) -> Callable[[], tuple[bytes, float]]:
+    if "action" not in body:
+        raise ServeError("the body needs an action", 400)
+    bases = bases_of(body)
+
+    def work() -> tuple[bytes, float]:
+        # the frame is encoded here too: comparing a screenshot must not hold the event loop
+        obs, reward, terminated, truncated, info = _locked(lease, lease.env.step, body["action"])
+        return encode_for(lease, {"observation": obs, "reward": float(reward), "terminated": bool(terminated),
+                                  "truncated": bool(truncated), "info": info,
+                                  "timing": getattr(lease.env, "last_step_timing", {})}, bases)
+
+    return work
+
+
+def rollback_work(lease: EnvLease, body: dict) -> Callable[[], tuple[bytes, float]]:
+    snap_id, bases = body.get("snapshot"), bases_of(body)
+    snap = None
+    if snap_id is not None:
+        snap = lease.snapshots.get(snap_id) if isinstance(snap_id, str) else None
+        if snap is None:
+            raise NotFound(f"no snapshot {snap_id!r} of env {lease.id} or its clones")
+
+    def work() -> tuple[bytes, float]:
+        obs = _locked(lease, lambda: lease.env.rollback(snap))
+        return encode_for(lease, {"observation": obs, "steps": lease.env.unwrapped.steps}, bases)
+
+    return work
+
+
+#: the hot calls by name (what the env channel's requests name as ``op``)
+HOT_CALLS: dict[str, Callable[[EnvLease, dict], Callable[[], tuple[bytes, float]]]] = {
+    "reset": reset_work, "step": step_work, "rollback": rollback_work}
+
+
+async def run_hot(lease: EnvLease, work: Callable[[], tuple[bytes, float]]) -> tuple[bytes, float]:
+    """A hot call's work on the env's thread; then, off the answer's path, the digests of the
+    arrays it sent without one (:meth:`~bunshin_gym.serve.frames.FrameStore.settle`)."""
+    out = await lease.run(work)
+    try:
+        lease.runner.submit(lease.frames.settle)
+    except RuntimeError:  # the env was closed meanwhile
+        pass
+    return out
 
 
 def router(service) -> APIRouter:
@@ -187,47 +266,15 @@ def router(service) -> APIRouter:
         return JSONResponse([{"id": x.id, "env_id": x.env_id, "kind": "env" if isinstance(x, EnvLease) else "group"}
                              for x in registry.list(who) if isinstance(x, (EnvLease, GroupLease))])
 
-    def _locked(lease: EnvLease, fn, *args):
-        with lease.lock:
-            if lease.closed:
-                raise NotFound(f"no env {lease.id!r}")
-            return fn(*args)
-
     @r.post("/{env_id}/reset")
     async def reset(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        body = await json_object(request)
-        options = body.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise ServeError("options must be an object", 400)
-        check_task((options or {}).get("task"))
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ServeError(f"seed must be an integer, got {seed!r}", 400)
-        bases = bases_of(body)
-
-        def work() -> tuple[bytes, float]:
-            obs, info = _locked(lease, lambda: lease.env.reset(seed=seed, options=body.get("options")))
-            return encode_for(lease, {"observation": obs, "info": info}, bases)
-
-        return frame(*await lease.run(work))
+        return frame(*await run_hot(lease, reset_work(lease, await json_object(request))))
 
     @r.post("/{env_id}/step")
     async def step(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        body = await json_object(request)
-        if "action" not in body:
-            raise ServeError("the body needs an action", 400)
-        bases = bases_of(body)
-
-        def work() -> tuple[bytes, float]:
-            # the frame is encoded here too: comparing a screenshot must not hold the event loop
-            obs, reward, terminated, truncated, info = _locked(lease, lease.env.step, body["action"])
-            return encode_for(lease, {"observation": obs, "reward": float(reward), "terminated": bool(terminated),
-                                      "truncated": bool(truncated), "info": info,
-                                      "timing": getattr(lease.env, "last_step_timing", {})}, bases)
-
-        return frame(*await lease.run(work))
+        return frame(*await run_hot(lease, step_work(lease, await json_object(request))))
 
     def _clone(lease: EnvLease, n: int, lazy: bool) -> list[EnvLease]:
         who = lease.owner
@@ -264,18 +311,7 @@ def router(service) -> APIRouter:
     @r.post("/{env_id}/rollback")
     async def rollback(env_id: str, request: Request, who: Principal = auth) -> Response:
         lease = _lease(env_id, who)
-        body = await json_object(request)
-        snap_id, bases = body.get("snapshot"), bases_of(body)
-        snap = None
-        if snap_id is not None:
-            snap = lease.snapshots.get(snap_id)
-            if snap is None:
-                raise NotFound(f"no snapshot {snap_id!r} of env {env_id} or its clones")
-        def work() -> tuple[bytes, float]:
-            obs = _locked(lease, lambda: lease.env.rollback(snap))
-            return encode_for(lease, {"observation": obs, "steps": lease.env.unwrapped.steps}, bases)
-
-        return frame(*await lease.run(work))
+        return frame(*await run_hot(lease, rollback_work(lease, await json_object(request))))
 
     # groups ------------------------------------------------------------------------------
     caches: dict[str, Any] = {}  # owner -> PrefixCache: shared by an owner's groups, across epochs

@@ -14,6 +14,13 @@ before rows are sent against it (its digest); an env that rewrites an array it h
 earlier but no longer returns, to exactly the new content, is not (no bunshin env reuses
 its arrays at all).
 
+Where the env knows what it drew between two arrays (a desktop's X damage), the server
+sends those rectangles without comparing anything, and the new array's digest is computed
+after the answer went out (:meth:`FrameStore.settle`) and checked by the client one answer
+late (:meth:`HeldFrames.check`). A client that can do work while it waits for an answer
+(the env channel) makes its writable copy of the base and the digest of an array it has not
+checked yet meanwhile (:meth:`HeldFrames.prepare`).
+
 Nothing depends on which answers the client saw: it states its base in each request, so a
 lost answer, a second client of the same env or a clone (whose store starts as a copy of
 its parent's) still gets answers it can decode; a base the server no longer keeps gets the
@@ -126,13 +133,14 @@ class FrameStore:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
         self._lock = threading.Lock()
-        self._frames: OrderedDict[str, tuple[np.ndarray, str]] = OrderedDict()
+        self._frames: OrderedDict[str, tuple[np.ndarray, str | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._frames)
 
-    def put(self, a: np.ndarray, a_digest: str) -> str:
-        """Keep ``a`` (with its digest); returns its new id."""
+    def put(self, a: np.ndarray, a_digest: str | None) -> str:
+        """Keep ``a`` (with its digest; None: computed later, by :meth:`settle`); returns its
+        new id."""
         fid = f"{_PREFIX}-{next(_counter)}"
         with self._lock:
             self._frames[fid] = (a, a_digest)
@@ -140,7 +148,26 @@ class FrameStore:
                 self._frames.popitem(last=False)
         return fid
 
-    def get(self, fid: str) -> tuple[np.ndarray, str] | None:
+    def rebase(self, fid: str, a: np.ndarray) -> None:
+        """``fid`` is now ``a``, an array with the same bytes (a later screenshot of an
+        unchanged screen: what the env's damage is known against from now on)."""
+        with self._lock:
+            entry = self._frames.get(fid)
+            if entry is not None:
+                self._frames[fid] = (a, entry[1])
+
+    def settle(self) -> None:
+        """Compute the digests still missing (run after an answer went out, off its path)."""
+        with self._lock:
+            missing = [(fid, a) for fid, (a, d) in self._frames.items() if d is None]
+        for fid, a in missing:
+            d = digest(a)
+            with self._lock:
+                entry = self._frames.get(fid)
+                if entry is not None and entry[0] is a and entry[1] is None:
+                    self._frames[fid] = (a, d)
+
+    def get(self, fid: str) -> tuple[np.ndarray, str | None] | None:
         """The array kept as ``fid`` and the digest it had when sent, or None (never kept,
         dropped). Its bytes may have changed since: see :meth:`intact`."""
         with self._lock:
@@ -155,7 +182,13 @@ class FrameStore:
         entry = self.get(fid)
         if entry is None:
             return False
-        if digest(entry[0]) == entry[1]:
+        now = digest(entry[0])
+        if entry[1] is None:  # not settled yet: what it is now is what was sent
+            with self._lock:
+                if fid in self._frames:
+                    self._frames[fid] = (entry[0], now)
+            return True
+        if now == entry[1]:
             return True
         log.warning("frame %s changed after it was sent (the env reuses its array): sending it whole", fid)
         with self._lock:
@@ -178,8 +211,13 @@ class HeldFrames:
     """The client's side: the last large array received at each place of an env's answers,
     with its id. Not thread-safe (one env handle steps from one thread at a time)."""
 
-    def __init__(self, held: dict[str, tuple[str, np.ndarray]] | None = None):
+    def __init__(self, held: dict[str, tuple[str, np.ndarray]] | None = None,
+                 digests: dict[str, str] | None = None):
         self._held: dict[str, tuple[str, np.ndarray]] = dict(held or {})
+        #: digests of held arrays computed here, by id (checked against the server's)
+        self._digests: dict[str, str] = dict(digests or {})
+        #: writable copies of held arrays, by place: (id, copy), for the next delta to patch
+        self._spares: dict[str, tuple[str, np.ndarray]] = {}
 
     def ids(self) -> dict[str, str]:
         """What a request names as its bases: {place: id}."""
@@ -190,7 +228,44 @@ class HeldFrames:
 
     def update(self, received: dict[str, tuple[str, np.ndarray]]) -> None:
         self._held.update(received)
+        ids = {fid for fid, _ in self._held.values()}
+        self._digests = {fid: d for fid, d in self._digests.items() if fid in ids}
+
+    def prepare(self) -> None:
+        """Work done while an answer is awaited: a writable copy of each held array (what a
+        delta is applied to; an unchanged answer leaves it for the next one) and the digest
+        of each held array not yet checked."""
+        for place, (fid, a) in self._held.items():
+            spare = self._spares.get(place)
+            if spare is None or spare[0] != fid:
+                self._spares[place] = (fid, a.copy())
+            if fid not in self._digests:
+                self._digests[fid] = digest(a)
+
+    def take_spare(self, place: str, fid: str) -> np.ndarray | None:
+        """The writable copy of the array held as ``fid`` at ``place``, if one was made."""
+        spare = self._spares.get(place)
+        if spare is None or spare[0] != fid:
+            return None
+        del self._spares[place]
+        return spare[1]
+
+    def check(self, place: str, fid: str, server_digest: str) -> bool:
+        """Whether the held array ``fid`` has the server's digest (one not held passes). On a
+        difference every held array is dropped: the next answer is whole."""
+        held = self._held.get(place)
+        if held is None or held[0] != fid:
+            return True
+        mine = self._digests.get(fid)
+        if mine is None:
+            mine = self._digests[fid] = digest(held[1])
+        if mine == server_digest:
+            return True
+        self._held.clear()
+        self._spares.clear()
+        self._digests.clear()
+        return False
 
     def copy(self) -> HeldFrames:
         """For a clone: the same arrays (read-only, so shared safely)."""
-        return HeldFrames(self._held)
+        return HeldFrames(self._held, self._digests)

@@ -211,3 +211,128 @@ def test_identical_by_memcmp_and_without_libc(monkeypatch, libc):
     g = f.copy()
     g[-1] = -0.0
     assert not frames.identical(f, g), "bytes, not values"
+
+
+# damage: the env says what it drew between two arrays (a desktop's X damage) -------------------
+class Drawn:
+    """What a damage-tracking env knows: the rectangles drawn before each array it returned
+    (by identity), like the X client's capture log (whose real one tests/envs checks)."""
+
+    def __init__(self):
+        self.log: list[tuple[np.ndarray, list]] = []
+
+    def returned(self, a: np.ndarray, rects: list) -> np.ndarray:
+        self.log.append((a, rects))
+        return a
+
+    def __call__(self, old: np.ndarray, new: np.ndarray):
+        at = {id(a): i for i, (a, _) in enumerate(self.log)}
+        i, j = at.get(id(old)), at.get(id(new))
+        if i is None or j is None or j < i:
+            return None
+        return [r for _, rects in self.log[i + 1:j + 1] for r in rects]
+
+
+def drawn_answer(a: np.ndarray, store: FrameStore, held: HeldFrames, drawn: Drawn) -> bytes:
+    return codec.encode({"observation": {"screenshot": a}}, store=store, bases=held.ids(), damage={SHOT: drawn})
+
+
+def test_drawn_rectangles_travel_without_comparing_and_rebuild_exactly(monkeypatch):
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    first = drawn.returned(screen(), [(0, 0, 1920, 1080)])
+    got = received(drawn_answer(first, store, held, drawn), held)  # no base yet: whole
+
+    compared = []
+    monkeypatch.setattr(frames, "identical", lambda *a: compared.append(a) or True)
+    monkeypatch.setattr(frames, "changed_rows", lambda *a: compared.append(a) or np.array([], np.int64))
+
+    typed = first.copy()
+    typed[500:510, 40:70] = 9
+    typed[1070:1080, 1900:1920] = 3
+    drawn.returned(typed, [(40, 500, 30, 10), (1900, 1070, 20, 10)])
+    data = drawn_answer(typed, store, held, drawn)
+    ref = ref_of(data)
+    assert ref["codec"] == "zstd-rects" and ref["rects"] == [[40, 500, 30, 10], [1900, 1070, 20, 10]]
+    assert len(data) < 2000 and "digest" not in ref  # its digest is computed after the answer
+    assert "base_digest" in ref  # the first frame's, known since it was sent whole
+    held.prepare()  # what the channel client does while it waits
+    spare = held._spares[SHOT][1]
+    now = received(data, held)
+    assert np.array_equal(now, typed) and not now.flags.writeable and np.shares_memory(now, spare)
+    assert not got.flags.writeable and np.array_equal(got, first), "the earlier array is not touched"
+
+    same = drawn.returned(typed.copy(), [])  # nothing drawn: same, and the newer array is the base
+    data = drawn_answer(same, store, held, drawn)
+    assert ref_of(data)["codec"] == "same" and received(data, held) is now
+    assert store.get(ref_of(data)["id"])[0] is same
+    assert compared == [], "nothing was compared"
+
+    store.settle()  # after the answer went out: the digests of what was sent without one
+    later = drawn.returned(typed.copy(), [(0, 0, 4, 4)])
+    data = drawn_answer(later, store, held, drawn)
+    assert ref_of(data)["base_digest"] == frames.digest(typed)
+    assert np.array_equal(received(data, held), later)
+
+
+def test_a_held_array_that_is_not_the_server_s_is_found_one_answer_late():
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    first = drawn.returned(screen(), [(0, 0, 1920, 1080)])
+    received(drawn_answer(first, store, held, drawn), held)
+    second = first.copy()
+    second[10:20, 10:20] = 1
+    drawn.returned(second, [(10, 10, 10, 10)])
+    data = drawn_answer(second, store, held, drawn)
+    # the client's copy goes wrong (the env drew more than it said, or a bug): not found yet ...
+    body = header(data)
+    blob = data[8 + struct.unpack(">I", data[4:8])[0]:]
+    bad = np.frombuffer(codec._zstd()[1].decompress(blob), np.uint8).copy()
+    bad[0] ^= 1
+    blob = codec._zstd()[0].compress(bad.tobytes())
+    body["_blobs"] = [len(blob)]
+    h = json.dumps(body).encode()
+    tampered = codec.MAGIC + struct.pack(">I", len(h)) + h + blob
+    wrong = received(tampered, held)
+    assert not np.array_equal(wrong, second)
+    store.settle()
+    third = second.copy()
+    drawn.returned(third, [])
+    with pytest.raises(codec.FrameError, match="not the server's"):  # ... but at the next answer
+        received(drawn_answer(third, store, held, drawn), held)
+    assert held.ids() == {}, "the held arrays are dropped: the next answer is whole"
+    assert np.array_equal(received(drawn_answer(third, store, held, drawn), held), third)
+
+
+def test_unknown_or_too_large_damage_falls_back_to_comparing():
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    first = drawn.returned(screen(), [(0, 0, 1920, 1080)])
+    received(drawn_answer(first, store, held, drawn), held)
+    other = first.copy()
+    other[3] = 5
+    data = drawn_answer(other, store, held, drawn)  # not in the env's log: compared, by rows
+    assert ref_of(data)["codec"] == "zstd-rows"
+    assert np.array_equal(received(data, held), other)
+    big = other.copy()
+    big[:900] = 1
+    drawn.returned(big, [(0, 0, 1920, 900)])
+    data = drawn_answer(big, store, held, drawn)
+    assert ref_of(data)["codec"] == "zstd"
+    assert np.array_equal(received(data, held), big)
+
+
+@pytest.mark.parametrize("rects, why", [([[1900, 0, 40, 2]], "outside"), ([[0, 0, 2, 2]], "take"),
+                                        ([[0, 0, 40, 40]], "need more"), ("no", "must be a list")])
+def test_bad_rectangles_are_an_error_and_change_nothing(rects, why):
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    first = drawn.returned(screen(), [(0, 0, 1920, 1080)])
+    got = received(drawn_answer(first, store, held, drawn), held)
+    second = first.copy()
+    second[0:3, 0:3] = 2
+    drawn.returned(second, [(0, 0, 3, 3)])
+    data = drawn_answer(second, store, held, drawn)
+    body = header(data)
+    body["value"]["observation"]["screenshot"]["rects"] = rects
+    n = struct.unpack(">I", data[4:8])[0]
+    h = json.dumps(body).encode()
+    with pytest.raises(codec.FrameError, match=why):
+        received(codec.MAGIC + struct.pack(">I", len(h)) + h + data[8 + n:], held)
+    assert held.get(SHOT)[1] is got

@@ -1,0 +1,231 @@
+"""The client end of an env channel (:mod:`bunshin_gym.serve.channel`): one WebSocket to one
+env on a ``bunshin serve`` server, for :class:`~bunshin_gym.remote.RemoteEnv`'s hot calls.
+
+It speaks WebSocket through the ``websockets`` package's sans-I/O protocol on a blocking
+socket of its own: no thread, no event loop, and a request's answer is read by the thread
+that asked. That thread has the server's whole step to wait, and does the work that the
+answer will need meanwhile (``call(..., meanwhile=)``: a copy of the screenshot a delta is
+applied to, the digest of one not checked yet).
+
+A channel found closed before a request (the server restarted, or closed it after its
+env's idle timeout) is opened again. A channel that breaks while a request is out raises
+:class:`ChannelBroken`: the request may have run, and it is not sent again (a step must not
+run twice); the next request opens a new channel.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from websockets.client import ClientProtocol
+from websockets.exceptions import InvalidStatus, WebSocketException
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Response
+from websockets.protocol import State
+from websockets.uri import parse_uri
+
+from bunshin_gym.errors import BunshinError
+from bunshin_gym.serve.codec import CHANNEL_TIMING as TIMING
+
+#: the largest answer accepted (a whole 4K RGB frame is 25 MB before compression)
+MAX_MESSAGE = 256 << 20
+#: bytes read from the socket at a time
+READ = 1 << 20
+
+
+class ChannelError(BunshinError, RuntimeError):
+    """The channel could not be opened, or broke; ``status`` is the HTTP status of a refused
+    upgrade (401, 404, ...), else None."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class ChannelBroken(ChannelError):
+    """The channel broke while a request was out: the request may or may not have run."""
+
+
+class Channel:
+    """One WebSocket to env ``env_id`` on ``server``; :meth:`call` sends a request and gives
+    its answer. Thread-safe (requests are served one at a time)."""
+
+    def __init__(self, server: str, env_id: str, token: str, timeout: float):
+        url = urlsplit(server.rstrip("/"))
+        scheme = {"http": "ws", "https": "wss"}.get(url.scheme)
+        if scheme is None or not url.hostname:
+            raise ChannelError(f"server must be an http:// or https:// URL, not {server!r}")
+        self._uri = parse_uri(f"{scheme}://{url.netloc}{url.path}/envs/{env_id}/channel")
+        self._token, self._timeout = token, timeout
+        self._sock: socket.socket | None = None
+        self._proto: ClientProtocol | None = None
+        self._lock = threading.Lock()
+
+    # connection ---------------------------------------------------------------------------
+    def _open(self) -> None:
+        u = self._uri
+        deadline = time.monotonic() + self._timeout
+        try:
+            sock = socket.create_connection((u.host, u.port), timeout=self._timeout)
+        except OSError as e:
+            raise ChannelError(f"the server could not be reached: {e}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a request is one small write
+            if u.secure:
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=u.host)
+            proto = ClientProtocol(u, max_size=MAX_MESSAGE)
+            request = proto.connect()
+            request.headers["Authorization"] = f"Bearer {self._token}"
+            proto.send_request(request)
+            self._flush(sock, proto)
+            while proto.state is State.CONNECTING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelError("the server did not answer the upgrade in time")
+                sock.settimeout(left)
+                data = sock.recv(READ)
+                if not data:  # a refusal ends with the connection: its response is read by now
+                    proto.receive_eof()
+                    break
+                proto.receive_data(data)
+            if proto.handshake_exc is not None:
+                raise _refused(proto.handshake_exc)
+            for event in proto.events_received():
+                if isinstance(event, Response) and event.status_code != 101:
+                    raise _refused(InvalidStatus(event))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._proto = sock, proto
+
+    def close(self) -> None:
+        """Close the channel (the env stays)."""
+        with self._lock:
+            self._drop(polite=True)
+
+    def _drop(self, polite: bool = False) -> None:
+        sock, proto, self._sock, self._proto = self._sock, self._proto, None, None
+        if sock is None:
+            return
+        if polite and proto is not None and proto.state is State.OPEN:
+            try:
+                proto.send_close(1000)
+                self._flush(sock, proto)
+            except (OSError, WebSocketException):
+                pass
+        sock.close()
+
+    def _alive(self) -> bool:
+        """Whether the open channel is still usable: anything the server sent unasked (its
+        close, or the end of the connection) is read first, without waiting."""
+        sock, proto = self._sock, self._proto
+        if sock is None or proto is None:
+            return False
+        try:
+            while select.select([sock], [], [], 0)[0]:
+                data = sock.recv(READ)
+                if not data:
+                    return False
+                proto.receive_data(data)
+                self._flush(sock, proto)
+                proto.events_received()  # nothing is asked: a close or a stray frame, dropped
+        except (OSError, WebSocketException):
+            return False
+        return proto.state is State.OPEN
+
+    # requests -----------------------------------------------------------------------------
+    def call(self, op: str, body: dict, meanwhile: Callable[[], Any] | None = None) -> tuple[bytes, float, float]:
+        """Send request ``op`` with ``body``; run ``meanwhile`` while the server works; return
+        the answer's frame, the server's seconds on it and its encoding's seconds. A refused
+        request raises :class:`ChannelRefusal` with the server's status and message."""
+        # ASCII JSON: a lone surrogate in an action travels escaped and is the env's to refuse
+        text = json.dumps({"op": op, **body}, separators=(",", ":"), allow_nan=False)
+        with self._lock:
+            if not self._alive():
+                self._drop()
+                self._open()
+            sock, proto = self._sock, self._proto
+            deadline = time.monotonic() + self._timeout
+            try:
+                proto.send_text(text.encode())
+                self._flush(sock, proto)
+                if meanwhile is not None:
+                    meanwhile()
+                frame = self._answer(sock, proto, deadline)
+            except (OSError, WebSocketException, ChannelBroken) as e:
+                self._drop()
+                raise ChannelBroken(f"the channel broke while the request was out ({e}); "
+                                    "it may have run") from None
+        if frame.opcode is Opcode.TEXT:
+            raise ChannelRefusal(json.loads(frame.data))
+        server_s, encode_s = TIMING.unpack_from(frame.data)
+        return memoryview(frame.data)[TIMING.size:], server_s, encode_s
+
+    def _answer(self, sock: socket.socket, proto: ClientProtocol, deadline: float) -> Frame:
+        parts: list[Frame] = []
+        while True:
+            for event in proto.events_received():
+                if not isinstance(event, Frame):
+                    continue
+                if event.opcode in (Opcode.TEXT, Opcode.BINARY, Opcode.CONT):
+                    parts.append(event)
+                    if event.fin:
+                        if len(parts) == 1:
+                            return parts[0]
+                        return Frame(parts[0].opcode, b"".join(p.data for p in parts))
+            if proto.state is not State.OPEN:
+                raise ChannelBroken(f"the server closed the channel ({proto.close_code} {proto.close_reason})")
+            self._read(sock, proto, deadline)
+
+    @staticmethod
+    def _read(sock: socket.socket, proto: ClientProtocol, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChannelBroken("no answer in time")
+        sock.settimeout(left)
+        data = sock.recv(READ)
+        if data:
+            proto.receive_data(data)
+        else:
+            proto.receive_eof()
+        Channel._flush(sock, proto)  # pongs, the answer to a close
+        if not data:
+            raise ChannelBroken("the server closed the connection")
+
+    @staticmethod
+    def _flush(sock: socket.socket, proto: ClientProtocol) -> None:
+        for data in proto.data_to_send():
+            if data:
+                sock.sendall(data)
+
+
+class ChannelRefusal(BunshinError, RuntimeError):
+    """The server answered a request with an error: its ``status``, message and error name
+    (the HTTP API's for the same request)."""
+
+    def __init__(self, error: Any):
+        error = error if isinstance(error, dict) else {}
+        self.status = error.get("status")
+        self.error = error.get("error")
+        super().__init__(error.get("message") or "the server refused the request")
+
+
+def _refused(e: Exception) -> ChannelError:
+    """A refused upgrade as a ChannelError with the server's status and message."""
+    response = getattr(e, "response", None)
+    if response is None:
+        return ChannelError(f"the channel could not be opened: {e}")
+    try:
+        message = json.loads(response.body).get("message")
+    except (ValueError, AttributeError, TypeError):
+        message = None
+    status = response.status_code
+    return ChannelError(message or f"the channel was refused: {status} {response.reason_phrase}", status)
