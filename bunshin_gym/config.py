@@ -100,6 +100,12 @@ def uffd_delta() -> bool:
     return get("BUNSHIN_UFFD_DELTA") != "0"
 
 
+def write_tracking() -> bool:
+    """``BUNSHIN_WRITE_TRACKING`` (on unless ``0``): copy and ksm clones are restored with
+    userfaultfd write tracking, so that their snapshots can be deltas."""
+    return get("BUNSHIN_WRITE_TRACKING") != "0"
+
+
 def kmod_double_copy() -> bool:
     """``BUNSHIN_KMOD_DOUBLE=copy``: kmod mode's test double that copies pages."""
     return get("BUNSHIN_KMOD_DOUBLE") == "copy"

@@ -20,6 +20,14 @@ Re-dumping a clone (``CRIU_UFFD_IMAGES``, :func:`dump_env`) records these mappin
 anonymous memory they stand for. Workspaces reject ``MADV_FREE`` (seccomp filter of the
 workspace's PID 1), which would otherwise make the monitor zero live data.
 
+Write tracking (memory modes ``copy`` and ``ksm``): the same monitor started with ``--wp``
+(:func:`start` with ``track_writes=True``) gets every restored task's userfaultfd through the
+same CRIU hand-off (``CRIU_UFFD_WP_SOCK``, criu/patches/0018-*), maps nothing, and registers the
+task's private anonymous memory for asynchronous write-protect: a snapshot of the clone then
+records the pages never written since the restore as "in parent" (:mod:`.snapshots.delta`).
+Such a monitor dying costs nothing but the tracking (the kernel drops it with the
+userfaultfds; later snapshots are full dumps), so it is no health failure (:func:`failure`).
+
 Measure with :func:`cpu_seconds` (monitor CPU) and :func:`stats` (counters of one clone).
 """
 
@@ -37,7 +45,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from bunshin_gym.config import Paths, criu_carries, paths, share_anon_forced_ksm
+from bunshin_gym.config import Paths, criu_carries, paths, share_anon_forced_ksm, write_tracking
 from bunshin_gym.workspace import idmap, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
@@ -50,6 +58,10 @@ CFLAGS = ["-O2", "-Wall"]
 IMAGE_HEADROOM = 64 << 30
 #: the criu binary knows the mechanism if it contains this string (criu/patches/0003-*)
 CRIU_MARKER = b"CRIU_UFFD_SOCK"
+#: ... and write tracking of copy restores if it contains this one (criu/patches/0018-*)
+CRIU_WP_MARKER = b"CRIU_UFFD_WP_SOCK"
+#: a write-tracking monitor's socket ends so (what tells it from a share clone's monitor)
+WP_SOCK_SUFFIX = ".wp.sock"
 
 
 # build and availability ------------------------------------------------------------------
@@ -72,9 +84,33 @@ def monitor_binary(p: Paths | None = None) -> Path:
 
 
 @cache
-def _kernel_probe(binary: str) -> tuple[bool, str]:
-    proc = subprocess.run([binary, "--probe"], capture_output=True, text=True)
+def _kernel_probe(binary: str, flag: str = "--probe") -> tuple[bool, str]:
+    proc = subprocess.run([binary, flag], capture_output=True, text=True)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
+
+
+def write_tracking_unavailable_reason(p: Paths | None = None) -> str | None:
+    """Why copy and ksm clones cannot be write-tracked on this host (None when they can):
+    ``BUNSHIN_WRITE_TRACKING=0``, no asynchronous write-protect in the kernel, or a CRIU
+    without criu/patches/0018-*."""
+    p = p or paths()
+    if not write_tracking():
+        return "BUNSHIN_WRITE_TRACKING=0"
+    try:
+        binary = monitor_binary(p)
+    except (SetupError, OSError) as e:
+        return str(e)
+    ok, msg = _kernel_probe(str(binary), "--probe-wp")
+    if not ok:
+        return msg
+    if not criu_carries(CRIU_WP_MARKER, p):
+        return f"{p.criu} lacks criu/patches/0018-wp-async-deltas.patch; run: criu/build.sh"
+    return None
+
+
+def tracks_writes(rec: records.Record) -> bool:
+    """Whether the clone's monitor is a write tracker (copy and ksm modes), not a share monitor."""
+    return rec.uffd is not None and rec.uffd.sock.endswith(WP_SOCK_SUFFIX)
 
 
 def unavailable_reason(p: Paths | None = None) -> str | None:
@@ -193,9 +229,40 @@ def _uffd_users(p: Paths) -> set[str]:
     ancestors their copies link to (their pages are mapped too)."""
     users = set()
     for r in records.all_records(p):
-        if r.uffd is not None and r.snapshot and (r.pid1 is None or r.running()):
+        if r.uffd is not None and not tracks_writes(r) and r.snapshot and (r.pid1 is None or r.running()):
             users.add(r.snapshot)
     return with_ancestors(p.run / "uffd-images", users)
+
+
+#: a copy holding this file is kept while the process it names lives, mapped or not (the prefix
+#: cache's hot snapshots: their restores skip the copy); ``release_images(force=True)`` drops it
+KEEP_MARK = ".kept"
+
+
+def keep_images(snap_id: str, keep: bool = True, p: Paths | None = None) -> bool:
+    """Keep a snapshot's complete tmpfs copy while this process lives (or stop keeping it);
+    returns whether it is kept."""
+    mark = (p or paths()).run / "uffd-images" / snap_id / KEEP_MARK
+    if not keep:
+        mark.unlink(missing_ok=True)
+        return False
+    me = os.getpid()
+    if keeper(mark.parent) == me:
+        return True
+    with _images_lock(p or paths()):
+        if not (mark.parent / ".complete").exists():
+            return False
+        mark.write_text(f"{me} {records.proc_start_time(me)}")
+    return True
+
+
+def keeper(copy: Path) -> int | None:
+    """The live process that keeps this copy (:func:`keep_images`), if any."""
+    try:
+        pid, start = (copy / KEEP_MARK).read_text().split()
+        return int(pid) if records.process_alive(int(pid), int(start)) else None
+    except (OSError, ValueError):
+        return None
 
 
 def release_images(p: Paths | None = None, snap_id: str | None = None, *, force: bool = False) -> list[str]:
@@ -211,6 +278,8 @@ def release_images(p: Paths | None = None, snap_id: str | None = None, *, force:
         for d in sorted(root.iterdir()):
             if not d.is_dir() or (snap_id and d.name != snap_id) or d.name in used:
                 continue
+            if not force and keeper(d) is not None:
+                continue
             if not force and time.time() - d.stat().st_mtime < 5 and not (d / ".complete").exists():
                 continue  # being made
             shutil.rmtree(d, ignore_errors=True)
@@ -219,26 +288,29 @@ def release_images(p: Paths | None = None, snap_id: str | None = None, *, force:
 
 
 # the monitor -----------------------------------------------------------------------------
-def _files(rec: records.Record, p: Paths) -> dict[str, Path]:
+def _files(rec: records.Record, p: Paths, wp: bool | None = None) -> dict[str, Path]:
     # named after the record the monitor was started for: a rollback moves a monitor (with
     # its processes) from a temporary record to the workspace's, and the old one the other way
     stem = (rec.uffd.stem if rec.uffd is not None else None) or rec.id
+    wp = tracks_writes(rec) if wp is None else wp
     d = p.run / "uffd"
-    return {"sock": d / f"{stem}.sock", "state": d / f"{stem}.json", "report": d / f"{stem}.report",
-            "log": d / f"{stem}.log"}
+    return {"sock": d / (stem + (WP_SOCK_SUFFIX if wp else ".sock")), "state": d / f"{stem}.json",
+            "report": d / f"{stem}.report", "log": d / f"{stem}.log"}
 
 
-def start(rec: records.Record, p: Paths | None = None) -> records.UffdMonitor:
-    """Start the monitor of one clone (before its restore); recorded in ``rec.uffd``."""
+def start(rec: records.Record, p: Paths | None = None, *, track_writes: bool = False) -> records.UffdMonitor:
+    """Start the monitor of one clone (before its restore); recorded in ``rec.uffd``. With
+    ``track_writes`` it is a write tracker of a copy restore (``--wp``), else a share monitor."""
     p = p or paths()
-    f = _files(rec, p)
+    f = _files(rec, p, track_writes)
     f["sock"].parent.mkdir(parents=True, exist_ok=True)
     for k in ("sock", "state", "report"):
         f[k].unlink(missing_ok=True)
-    root = images_root(p)
+    # a tracker maps no images: it needs no tmpfs
+    where = ["--wp", str(f["sock"])] if track_writes else [str(f["sock"]), str(images_root(p))]
     with open(f["log"], "ab") as log:
         proc = subprocess.Popen(
-            [str(monitor_binary(p)), str(f["sock"]), str(root), str(f["state"]), str(f["report"]),
+            [str(monitor_binary(p)), *where, str(f["state"]), str(f["report"]),
              *(str(d) for d in Cgroup(rec.cgroup).dirs)],
             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
         )
@@ -266,8 +338,15 @@ def _detach(proc: subprocess.Popen) -> None:
 
 
 def restore_env(rec: records.Record) -> dict[str, str]:
-    """Environment for ``criu restore`` of a clone served by its monitor."""
-    return {"CRIU_UFFD_SOCK": rec.uffd.sock}
+    """Environment for ``criu restore`` of a clone served (or write-tracked) by its monitor."""
+    return {"CRIU_UFFD_WP_SOCK" if tracks_writes(rec) else "CRIU_UFFD_SOCK": rec.uffd.sock}
+
+
+def tracking_since(rec: records.Record, snap_id: str) -> bool:
+    """Whether the clone's writes have been tracked since its restore from ``snap_id``: it was
+    restored from that snapshot with a write tracker, which still runs (a dead one has dropped
+    the tracking, and it cannot be taken up again)."""
+    return tracks_writes(rec) and rec.snapshot == snap_id and monitor_alive(rec)
 
 
 def dump_env(p: Paths | None = None) -> dict[str, str]:
@@ -310,8 +389,9 @@ def _wait_dead(pid: int, start_t: int | None, timeout: float) -> None:
 
 # health ----------------------------------------------------------------------------------
 def failure(rec: records.Record, p: Paths | None = None) -> str | None:
-    """Why this clone's monitor is gone (its report), or None while it serves the clone."""
-    if rec.uffd is None:
+    """Why this clone's monitor is gone (its report), or None while it serves the clone. A
+    write tracker never fails the clone: without it, the clone's snapshots are full dumps."""
+    if rec.uffd is None or tracks_writes(rec):
         return None
     p = p or paths()
     rep = _files(rec, p)["report"]
@@ -407,7 +487,7 @@ def leftovers(p: Paths | None = None) -> dict[str, list[str]]:
     files = sorted(f.name for f in d.iterdir() if f.name.split(".")[0] not in ids
                    and not f.name.endswith(".log")) if d.exists() else []
     root = p.run / "uffd-images"
-    used = with_ancestors(root, {r.snapshot for r in recs if r.uffd is not None})
+    used = with_ancestors(root, {r.snapshot for r in recs if r.uffd is not None and not tracks_writes(r)})
     imgs = sorted(x.name for x in root.iterdir() if x.is_dir() and x.name not in used) \
         if os.path.ismount(root) else []
     return {"files": files, "images": imgs}

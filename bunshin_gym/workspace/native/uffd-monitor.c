@@ -32,6 +32,19 @@
  *       listen on SOCKET for criu restore (CRIU_UFFD_SOCK); the images are on the tmpfs
  *       holding IMAGES_DIR; STATE_FILE gets counters (JSON, rewritten every second); prints
  *       "ready GUARD_PID WORKER_PID" once listening.
+ *   bunshin-uffd-monitor --wp SOCKET STATE_FILE REPORT_FILE CGROUP_DIR...
+ *       write tracking of a clone restored by copy (CRIU_UFFD_WP_SOCK, memory modes copy and
+ *       ksm): at each task's handshake, its private anonymous memory is registered for
+ *       asynchronous write-protect (UFFD_FEATURE_WP_ASYNC: a write only clears the page's
+ *       uffd-wp bit, nothing blocks and no message comes) and its present pages are
+ *       write-protected (PAGEMAP_SCAN with PM_SCAN_WP_MATCHING: unpopulated pages are left
+ *       alone, so huge PROT_NONE reservations cost no page tables). A later dump reads which
+ *       pages are still unwritten (criu/patches/0018-*). No events are asked for: a page moved
+ *       by mremap or inherited by fork loses the bit, the conservative answer. If this monitor
+ *       dies, its userfaultfds close and the kernel drops every bit: the clone runs on and
+ *       its next snapshots are full dumps (the clone is not stopped, nothing reads stale data).
+ *   bunshin-uffd-monitor --probe-wp
+ *       exit 0 if this kernel has asynchronous write-protect and PAGEMAP_SCAN
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -45,6 +58,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -62,6 +76,26 @@
 static const unsigned long long NEED_FEATURES =
 	UFFD_FEATURE_MINOR_SHMEM | UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_EVENT_FORK | UFFD_FEATURE_EVENT_REMAP |
 	UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_EVENT_UNMAP;
+
+/* Linux 6.7+ (the build host's headers may be older) */
+#ifndef UFFD_FEATURE_WP_ASYNC
+#define UFFD_FEATURE_WP_ASYNC (1 << 15)
+#endif
+#define PM_PAGE_IS_WRITTEN (1 << 1)
+#define PM_PAGE_IS_PRESENT (1 << 3)
+#define PM_PAGE_IS_SWAPPED (1 << 4)
+#define PM_SCAN_WP_MATCHING (1 << 0)
+struct pm_page_region {
+	uint64_t start, end, categories;
+};
+struct pm_scan_arg_ {
+	uint64_t size, flags, start, end, walk_end, vec, vec_len, max_pages, category_inverted, category_mask,
+		category_anyof_mask, return_mask;
+};
+#define PAGEMAP_SCAN_ _IOWR('f', 16, struct pm_scan_arg_)
+
+/* --wp: write tracking only (asynchronous write-protect), see the header */
+static int wp_mode;
 
 static double now(void)
 {
@@ -195,7 +229,7 @@ static unsigned long probe_addr = 0x10000;
 static struct {
 	long minor, missing, cont, zero, eexist, eagain, removes, unmaps, remaps, forks, procs, procs_gone;
 	long errors;
-	unsigned long registered_pages, continued_pages;
+	unsigned long registered_pages, continued_pages, protected_ranges;
 	double restore_s;
 	char last_error[256];
 } st;
@@ -561,9 +595,87 @@ static void handle_msg(struct ctx *c, struct uffd_msg *m)
 	}
 }
 
+/* --wp: write-protect the present pages of [s, e) (a registered range); unpopulated pages are
+ * left alone (UFFDIO_WRITEPROTECT would fill the range with markers and page tables) */
+static int protect_present(int pagemap, unsigned long s, unsigned long e)
+{
+	struct pm_scan_arg_ a = { .size = sizeof(a), .flags = PM_SCAN_WP_MATCHING, .start = s, .end = e,
+				  .category_mask = PM_PAGE_IS_WRITTEN,
+				  .category_anyof_mask = PM_PAGE_IS_PRESENT | PM_PAGE_IS_SWAPPED };
+
+	while (a.start < e) {
+		if (ioctl(pagemap, PAGEMAP_SCAN_, &a) < 0)
+			return -1;
+		if (a.walk_end <= a.start) /* no progress: give up rather than spin */
+			return errno = EIO, -1;
+		a.start = a.walk_end;
+	}
+	return 0;
+}
+
+/* --wp handshake: register the task's private anonymous memory for asynchronous write-protect
+ * and write-protect what is present. A range that cannot be registered or protected stays
+ * untracked (its pages read as written: dumped in full); the restore goes on either way. */
+static int register_process_wp(struct ctx *c)
+{
+	char path[64], line[4096];
+	FILE *f;
+	int nreg = 0, pm;
+	double t0 = now();
+
+	snprintf(path, sizeof(path), "/proc/%d/maps", c->pid);
+	f = fopen(path, "re");
+	snprintf(path, sizeof(path), "/proc/%d/pagemap", c->pid);
+	pm = open(path, O_RDONLY | O_CLOEXEC);
+	if (!f || pm < 0) {
+		error_("pid %d: reading its maps or pagemap: %s", c->pid, strerror(errno));
+		if (f)
+			fclose(f);
+		if (pm >= 0)
+			close(pm);
+		c->registered = 1;
+		return 0;
+	}
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long s, e, off, ino, ma, mi;
+		char perms[8], name[256] = "";
+		struct uffdio_register reg;
+
+		if (sscanf(line, "%lx-%lx %7s %lx %lx:%lx %lu %255s", &s, &e, perms, &off, &ma, &mi, &ino, name) < 7)
+			continue;
+		/* private anonymous memory only: heap and stack included, the kernel's special
+		 * mappings ([vdso], [vvar], [vsyscall], [uprobes]) and every file mapping left out */
+		if (perms[3] != 'p' || ino || (name[0] == '[' && strcmp(name, "[heap]") && strncmp(name, "[stack", 6)))
+			continue;
+		if (name[0] && name[0] != '[')
+			continue;
+		reg = (struct uffdio_register){ .range = { s, e - s }, .mode = UFFDIO_REGISTER_MODE_WP };
+		if (ioctl(c->fd, UFFDIO_REGISTER, &reg)) {
+			error_("pid %d: UFFDIO_REGISTER(WP) %lx-%lx: %s (left untracked)", c->pid, s, e, strerror(errno));
+			continue;
+		}
+		st.registered_pages += (e - s) / PG;
+		if (protect_present(pm, s, e)) {
+			error_("pid %d: write-protecting %lx-%lx: %s (left untracked)", c->pid, s, e, strerror(errno));
+			continue;
+		}
+		st.protected_ranges++;
+		nreg++;
+	}
+	fclose(f);
+	close(pm);
+	c->registered = 1;
+	st.restore_s += now() - t0;
+	logf_("pid %d: %d ranges write-tracked in %.3f s", c->pid, nreg, now() - t0);
+	return 0;
+}
+
 /* restore handshake: register what the process maps from the images, map it all, answer */
 static int register_process(struct ctx *c)
 {
+	if (wp_mode)
+		return register_process_wp(c);
+
 	char path[64], line[4096];
 	FILE *f;
 	int nreg = 0;
@@ -615,7 +727,7 @@ static int register_process(struct ctx *c)
 
 static int api(int fd)
 {
-	struct uffdio_api a = { .api = UFFD_API, .features = NEED_FEATURES };
+	struct uffdio_api a = { .api = UFFD_API, .features = wp_mode ? UFFD_FEATURE_WP_ASYNC : NEED_FEATURES };
 
 	if (ioctl(fd, UFFDIO_API, &a)) {
 		error_("UFFDIO_API: %s", strerror(errno));
@@ -701,12 +813,13 @@ static void write_state(void)
 		return;
 	fprintf(f,
 		"{\"pid\": %d, \"cpu_s\": %.4f, \"processes\": %d, \"regions\": %lu, \"bitmap_bytes\": %lu, "
-		"\"valid_pages\": %lu, \"registered_pages\": %lu, \"continued_pages\": %lu, \"restore_s\": %.4f, "
+		"\"valid_pages\": %lu, \"registered_pages\": %lu, \"continued_pages\": %lu, \"protected_ranges\": %lu, "
+		"\"wp\": %d, \"restore_s\": %.4f, "
 		"\"faults_minor\": %ld, \"faults_missing\": %ld, \"continue\": %ld, \"zeropage\": %ld, "
 		"\"eexist\": %ld, \"eagain\": %ld, \"remove\": %ld, \"unmap\": %ld, \"remap\": %ld, \"fork\": %ld, "
 		"\"processes_seen\": %ld, \"processes_gone\": %ld, \"errors\": %ld, \"last_error\": \"",
 		getpid(), cpu.tv_sec + cpu.tv_nsec * 1e-9, nctx, regions, bitmap, valid, st.registered_pages,
-		st.continued_pages, st.restore_s, st.minor, st.missing, st.cont, st.zero, st.eexist, st.eagain,
+		st.continued_pages, st.protected_ranges, wp_mode, st.restore_s, st.minor, st.missing, st.cont, st.zero, st.eexist, st.eagain,
 		st.removes, st.unmaps, st.remaps, st.forks, st.procs, st.procs_gone, st.errors);
 	for (char *p = st.last_error; *p; p++)
 		if (*p != '"' && *p != '\\' && (unsigned char)*p >= 32)
@@ -757,7 +870,10 @@ static int worker(int lsk)
 
 			if (pf[i++].revents & (POLLHUP | POLLERR | POLLIN)) {
 				/* the guard never writes: readable or hung up means it is gone */
-				report("worker", "the monitor's guard process died");
+				if (wp_mode)
+					logf_("the monitor's guard process died; write tracking of the clone ends");
+				else
+					report("worker", "the monitor's guard process died");
 				return 1;
 			}
 			if (pf[i++].revents & POLLIN) {
@@ -861,7 +977,10 @@ static int guard(pid_t worker_pid, int sk)
 			else
 				snprintf(why, sizeof(why), "the monitor's worker process exited with status %d",
 					 WEXITSTATUS(status));
-			if (nheld)
+			if (wp_mode)
+				/* write tracking only: closing the userfaultfds drops it, the clone runs on */
+				logf_("%s; write tracking of the clone ends (its next snapshots are full dumps)", why);
+			else if (nheld)
 				report("guard", why);
 			else
 				logf_("%s; it served no process", why);
@@ -903,6 +1022,44 @@ static int guard(pid_t worker_pid, int sk)
 	}
 }
 
+/* --probe-wp: asynchronous write-protect on anonymous memory, and PAGEMAP_SCAN reporting it */
+static int probe_wp(void)
+{
+	int fd = syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK), pm;
+	struct uffdio_api a = { .api = UFFD_API, .features = UFFD_FEATURE_WP_ASYNC };
+	struct pm_page_region r[4];
+	struct pm_scan_arg_ s = { .size = sizeof(s), .vec_len = 4, .category_anyof_mask = PM_PAGE_IS_PRESENT,
+				  .return_mask = PM_PAGE_IS_WRITTEN };
+	char *m;
+	long n;
+
+	if (fd < 0 || ioctl(fd, UFFDIO_API, &a)) {
+		printf("the kernel lacks asynchronous userfaultfd write-protect (UFFD_FEATURE_WP_ASYNC, Linux 6.7+): %s\n",
+		       strerror(errno));
+		return 1;
+	}
+	m = mmap(NULL, 2 * PG, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	m[0] = m[PG] = 1;
+	struct uffdio_register reg = { .range = { (unsigned long)m, 2 * PG }, .mode = UFFDIO_REGISTER_MODE_WP };
+	pm = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+	if (ioctl(fd, UFFDIO_REGISTER, &reg) || pm < 0 || protect_present(pm, (unsigned long)m, (unsigned long)m + 2 * PG)) {
+		printf("registering or write-protecting anonymous memory failed: %s\n", strerror(errno));
+		return 1;
+	}
+	m[PG] = 2; /* async: resolved by the kernel, no message */
+	s.start = (unsigned long)m;
+	s.end = (unsigned long)m + 2 * PG;
+	s.vec = (unsigned long)r;
+	n = ioctl(pm, PAGEMAP_SCAN_, &s);
+	/* expected: page 0 unwritten, page 1 written */
+	if (n != 2 || (r[0].categories & PM_PAGE_IS_WRITTEN) || !(r[1].categories & PM_PAGE_IS_WRITTEN)) {
+		printf("PAGEMAP_SCAN does not report written pages as expected (%ld regions)\n", n);
+		return 1;
+	}
+	printf("ok wp-async\n");
+	return 0;
+}
+
 static int probe(void)
 {
 	int fd = syscall(SYS_userfaultfd, O_CLOEXEC | O_NONBLOCK);
@@ -936,6 +1093,24 @@ int main(int argc, char **argv)
 
 	if (argc == 2 && !strcmp(argv[1], "--probe"))
 		return probe();
+	if (argc == 2 && !strcmp(argv[1], "--probe-wp"))
+		return probe_wp();
+	if (argc > 1 && !strcmp(argv[1], "--wp")) {
+		/* --wp SOCKET STATE REPORT CGROUP...: the share monitor's layout without IMAGES_DIR */
+		static char *av[260];
+
+		if (argc < 5 || argc > 256) {
+			fprintf(stderr, "usage: bunshin-uffd-monitor --wp SOCKET STATE_FILE REPORT_FILE CGROUP_DIR...\n");
+			return 2;
+		}
+		wp_mode = 1;
+		av[0] = argv[0];
+		av[1] = argv[2];
+		av[2] = "/";
+		for (int i = 3; i < argc; i++)
+			av[i] = argv[i];
+		argv = av;
+	}
 	if (argc < 6) {
 		fprintf(stderr, "usage: bunshin-uffd-monitor --probe | SOCKET IMAGES_DIR STATE_FILE REPORT_FILE "
 				"CGROUP_DIR...\n");
