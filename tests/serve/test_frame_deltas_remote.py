@@ -1,11 +1,13 @@
-"""Screenshots of a desktop RemoteEnv travel as frame deltas, and every one the client gets
-is byte-for-byte the server env's own: checked against a second handle on the same env that
-receives whole screenshots, across steps, a lost answer, two clients, a clone, a reset and a
-rollback."""
+"""Screenshots of a desktop RemoteEnv travel as frame deltas (the rectangles X says were
+drawn), over the env channel or HTTP, and every one the client gets is byte-for-byte the
+server env's own: checked against a second handle on the same env that receives whole
+screenshots, across steps, a lost answer, two clients, a clone, a reset, a rollback and a
+dropped channel."""
 
 from __future__ import annotations
 
 import json
+import socket
 import struct
 
 import gymnasium as gym
@@ -14,6 +16,7 @@ import pytest
 
 import bunshin_gym  # noqa: F401 - registers the envs
 from bunshin_gym.remote import RemoteEnv
+from bunshin_gym.remote_channel import Channel
 
 from .conftest import ALICE
 
@@ -42,17 +45,25 @@ def exact_now(env: RemoteEnv, truth: RemoteEnv) -> np.ndarray:
 
 def wire_ref(server, env: RemoteEnv, action: dict) -> tuple[dict, int]:
     """Step ``env`` outside its handle, naming the frames the handle holds, and throw the
-    answer away (a lost answer); returns the screenshot's reference and the answer's size."""
-    with server.client() as c:
-        r = c.post(f"/envs/{env.remote_id}/step", json={"action": action, "frames": env._held.ids()})
-    assert r.status_code == 200, r.text
-    (n,) = struct.unpack(">I", r.content[4:8])
-    return json.loads(r.content[8:8 + n])["value"]["observation"]["screenshot"], len(r.content)
+    answer away (a lost answer), over the handle's channel or HTTP as it uses; returns the
+    screenshot's reference and the answer's size."""
+    body = {"action": action, "frames": env._held.ids()}
+    if env._use_channel:
+        content, _, _ = Channel(server.url, env.remote_id, ALICE, 60).call("step", body)
+        content = bytes(content)
+    else:
+        with server.client() as c:
+            r = c.post(f"/envs/{env.remote_id}/step", json=body)
+        assert r.status_code == 200, r.text
+        content = r.content
+    (n,) = struct.unpack(">I", content[4:8])
+    return json.loads(content[8:8 + n])["value"]["observation"]["screenshot"], len(content)
 
 
 @pytest.mark.slow
-def test_desktop_screenshots_as_deltas_are_the_env_s_own(server, opts):
-    env = gym.make(ENV, server=server.url, token=ALICE, **KW)
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "http"])
+def test_desktop_screenshots_as_deltas_are_the_env_s_own(server, opts, channel):
+    env = gym.make(ENV, server=server.url, token=ALICE, channel=channel, **KW)
     envs, views = [env], []  # envs are closed at the end; views (more handles on them) let go
     try:
         obs, _ = env.reset(options={"task": "osworld/editor-append-item"})
@@ -66,14 +77,18 @@ def test_desktop_screenshots_as_deltas_are_the_env_s_own(server, opts):
         typed = exact_now(env, truth)
         assert typed.tobytes() != first.tobytes()
 
-        shot(env, {"action_type": "TYPING", "text": " lost"})
-        for _ in range(50):  # answers lost until one carries the text's rows
-            ref, size = wire_ref(server, env, WAIT)
+        ref, size = wire_ref(server, env, {"action_type": "TYPING", "text": " lost"})  # its answer is lost
+        for _ in range(50):  # and the next ones, until one carries the text's pixels
             if ref["codec"] != "same":
                 break
-        assert ref["codec"] == "zstd-rows" and size < 100_000, (ref["codec"], size)  # not a 6 MB screenshot
+            ref, size = wire_ref(server, env, WAIT)
+        # what X drew since the handle's frame, nothing compared; not a 6 MB screenshot
+        assert ref["codec"] == "zstd-rects" and size < 100_000, (ref["codec"], size)
         after_loss = exact_now(env, truth)  # a delta against the older base the handle still holds
         assert after_loss.tobytes() != typed.tobytes()
+        if channel:  # the channel drops between two calls: the next call opens a new one
+            env.unwrapped._channel._sock.shutdown(socket.SHUT_RDWR)
+            assert exact_now(env, truth).tobytes() == after_loss.tobytes()
 
         other = RemoteEnv.attach(ENV, server.url, env.remote_id, token=ALICE)  # a second client
         views.append(other)
