@@ -28,9 +28,9 @@ def _cmd_doctor(args) -> int:
 def _cmd_image(args) -> int:
     from bunshin_gym.workspace import ImageStore, pool
 
-    store = ImageStore()
+    store = ImageStore(log=print)
     if args.action == "build":
-        pool.ensure_pool()
+        pool.ensure_pool(say=print)
         for name in args.names:
             store.ensure(name)
         return 0
@@ -301,7 +301,8 @@ def parser() -> argparse.ArgumentParser:
                     help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
                          "epoch: rollout modes (default copy-base,share-base,spec,full); "
                          "density: default share,share+ksm,copy; "
-                         "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1)")
+                         "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1); "
+                         "fork: copy-untracked, ksm-untracked: without write tracking (full delta snapshots)")
     be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")

@@ -18,7 +18,10 @@ each n in 1, 2, 4, 8, 16 it forks n clones from one snapshot and measures:
 - CPU spent by ksmd.
 
 Besides the memory modes, ``share+ksm`` is share mode with its clones KSM-mergeable
-(``BUNSHIN_SHARE_KSM=1``): the pages clones write merge where they are equal.
+(``BUNSHIN_SHARE_KSM=1``): the pages clones write merge where they are equal; and
+``copy-untracked`` / ``ksm-untracked`` are those modes as they were before write tracking
+(``BUNSHIN_WRITE_TRACKING=0``: a clone's snapshot records all its pages), to set the delta
+snapshot of a tracked clone beside the full one in the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bunshin_gym.workspace.memory import (
     uses_ksm,
     uses_uffd,
 )
+from bunshin_gym.workspace.memory.tracking import WRITE_TRACKING_ENV
 from bunshin_gym.workspace.memstat import CopiedPages, copied_pages, group_memory, used_memory
 
 HEAP_PROGRAM = r"""
@@ -144,12 +148,11 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
           f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {mechanism}")
     results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
     for label in modes:
-        mode, merge = _variant(label)
+        mode, env = _variant(label)
         by_uffd = uses_uffd(mode)
         src = make_source(image, heap_mb, procs)
         try:
-            if merge:  # "share+ksm": the clones made below are KSM-mergeable too
-                os.environ[SHARE_KSM_ENV] = "1"
+            os.environ.update(env)  # "share+ksm", "copy-untracked": what the clones made below are
             src_mem = group_memory(src.pids())
             first = src.snapshot()
             mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
@@ -199,7 +202,8 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
             first.delete()
             results["modes"][label] = mres
         finally:
-            os.environ.pop(SHARE_KSM_ENV, None)
+            for k in env:
+                os.environ.pop(k, None)
             src.close()
     _summarise(results, counts)
     if plot:
@@ -208,11 +212,18 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
     return write("fork", results, json_path)
 
 
-def _variant(label: str) -> tuple[MemoryMode, bool]:
-    """A benchmarked mode: a memory mode, or ``share+ksm`` (share, its clones KSM-mergeable)."""
+#: a benchmarked mode's label ends so: the mode without write tracking (the path before it)
+UNTRACKED = "-untracked"
+
+
+def _variant(label: str) -> tuple[MemoryMode, dict[str, str]]:
+    """A benchmarked mode: a memory mode, ``share+ksm`` (share, its clones KSM-mergeable), or
+    ``copy-untracked`` / ``ksm-untracked`` (no write tracking); and the environment it needs."""
     if label == "share+ksm":
-        return MemoryMode.SHARE, True
-    return MemoryMode.parse(label), False
+        return MemoryMode.SHARE, {SHARE_KSM_ENV: "1"}
+    if label.endswith(UNTRACKED):
+        return MemoryMode.parse(label[:-len(UNTRACKED)]), {WRITE_TRACKING_ENV: "0"}
+    return MemoryMode.parse(label), {}
 
 
 def _tree_bytes(path: Path) -> int:
@@ -266,14 +277,16 @@ def _summarise(res: dict, counts: tuple[int, ...]) -> None:
         rows.append([
             mode, *(row[k]["unique"] for k in stages), row["after_activity"]["pss"],
             row["peak_during_fork_mb"], row["fanout_s"], row["per_clone_restore_s"],
-            m["first_snapshot"]["frozen_ms"], first["delta_snapshot"]["frozen_ms"], first["rollback"]["median_ms"],
+            m["first_snapshot"]["frozen_ms"], first["delta_snapshot"]["frozen_ms"], first["delta_snapshot_mb"],
+            first["rollback"]["median_ms"],
             row["ksmd_cpu_s"], row["monitor_cpu_s"],
         ])
     what = f"a {res['heap_mb']} MB-heap workspace" if res['heap_mb'] else f"the {res['image']} workspace"
     print(f"\nat n = {n_max} clones of {what} (memory in MB, times as named; "
           f"share's anonymous memory via {res['share_anon_mechanism']}):")
     print(table(rows, ["mode", *(f"uniq@{k.split('_')[1]}" for k in stages), "pss@activity", "peak", "fan-out s",
-                       "s/clone", "frozen 1st ms", "frozen delta ms", "rollback ms", "ksmd s", "monitor s"]))
+                       "s/clone", "frozen 1st ms", "frozen delta ms", "delta MB", "rollback ms", "ksmd s",
+                       "monitor s"]))
     if "copy" in modes:
         by_stage = {k: {mode: round(m["by_n"][n_max][k]["unique"] / modes["copy"]["by_n"][n_max][k]["unique"], 3)
                         for mode, m in modes.items()} for k in stages}

@@ -23,6 +23,9 @@ from bunshin_gym.workspace.records import Record
 
 log = logging.getLogger(__name__)
 
+#: set to 0: copy and ksm clones are restored without write tracking (read by config.write_tracking)
+WRITE_TRACKING_ENV = "BUNSHIN_WRITE_TRACKING"
+
 
 @cache
 def _warn_once(why: str) -> None:
