@@ -28,9 +28,9 @@ def _cmd_doctor(args) -> int:
 def _cmd_image(args) -> int:
     from bunshin_gym.workspace import ImageStore, pool
 
-    store = ImageStore(log=print)
+    store = ImageStore()
     if args.action == "build":
-        pool.ensure_pool(say=print)
+        pool.ensure_pool()
         for name in args.names:
             store.ensure(name)
         return 0
