@@ -28,9 +28,9 @@ def _cmd_doctor(args) -> int:
 def _cmd_image(args) -> int:
     from bunshin_gym.workspace import ImageStore, pool
 
-    store = ImageStore()
+    store = ImageStore(log=print)
     if args.action == "build":
-        pool.ensure_pool()
+        pool.ensure_pool(say=print)
         for name in args.names:
             store.ensure(name)
         return 0

@@ -76,7 +76,7 @@ BUNSHIN="$VENV/bin/bunshin"
 
 # 4. btrfs pool in a loop file, mounted; 5. workspace images (cached by recipe).
 step "4. btrfs pool"
-"$VENV/bin/python" -c "from bunshin_gym.workspace import pool; pool.ensure_pool()"
+"$VENV/bin/python" -c "from bunshin_gym.workspace import pool; pool.ensure_pool(say=print)"
 step "5. workspace images ($IMAGES)"
 "$BUNSHIN" image build $IMAGES
 "$BUNSHIN" image prune

@@ -30,8 +30,9 @@ from typing import Any
 
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.config import paths
-from bunshin_gym.workspace import Workspace, cgroups, records, snapshot
+from bunshin_gym.workspace import Workspace, cgroups, records
 from bunshin_gym.workspace.cgroups import Cgroup
+from bunshin_gym.workspace.snapshots import meta as snapshot_meta
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Made:
         self.monitors: dict[int, int | None] = {}  # uffd monitor pid -> start time
         self.snapshots: set[str] = set()
         self._save = records.save
-        self._write_meta = snapshot._write_meta
+        self._write_meta = snapshot_meta.write
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -94,18 +95,18 @@ class Made:
                         self.monitors[rec.uffd.worker] = rec.uffd.worker_start
             return self._save(rec, p)
 
-        def write_meta(path: Path, meta: dict) -> None:
+        def write_meta(path: Path, meta: snapshot_meta.SnapshotMeta) -> None:
             with self._lock:
-                if meta.get("workspace") in self.ws_ids:
+                if meta.workspace in self.ws_ids:
                     self.snapshots.add(Path(path).name)
             return self._write_meta(path, meta)
 
         records.save = save
-        snapshot._write_meta = write_meta
+        snapshot_meta.write = write_meta
 
     def stop(self) -> None:
         records.save = self._save
-        snapshot._write_meta = self._write_meta
+        snapshot_meta.write = self._write_meta
 
 
 # leaks -------------------------------------------------------------------------------------

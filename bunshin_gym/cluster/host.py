@@ -415,9 +415,9 @@ class HostActor:
                 tmp.write_text(json.dumps(meta, indent=1))
                 os.replace(tmp, dest / "meta.json")  # last: a snapshot without it is incomplete
             except BaseException:
-                from bunshin_gym.workspace.snapshot import _remove_dir
+                from bunshin_gym.workspace.teardown import remove_snapshot_dir
 
-                _remove_dir(dest)
+                remove_snapshot_dir(dest)
                 raise
             got.append(sid)
         held = {s.id for s in SnapshotStore(self.p).list()}

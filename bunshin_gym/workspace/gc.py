@@ -11,9 +11,8 @@ from bunshin_gym.workspace import cgroups, dumping, memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import WorkspaceError
 from bunshin_gym.workspace.images import build_lock
-from bunshin_gym.workspace.snapshot import _remove_dir, release_snapshot
 from bunshin_gym.workspace.snapshots import views
-from bunshin_gym.workspace.workspace import reclaim
+from bunshin_gym.workspace.teardown import reclaim, release_snapshot, remove_snapshot_dir
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +124,12 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
             if (d / "meta.json").exists():  # complete; its maker died before dropping the marker
                 dumping.done(d)
             else:
-                _remove_dir(d, p)
+                remove_snapshot_dir(d, p)
                 swept.append(d.name)
                 continue
         if not (d / "meta.json").exists():
             if age > 60:  # an older one is no snapshot in progress
-                _remove_dir(d, p)
+                remove_snapshot_dir(d, p)
                 swept.append(d.name)
             continue
         if age < 60:  # a fork may be about to register its clones

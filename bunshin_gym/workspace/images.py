@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -33,12 +34,16 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bunshin_gym.config import Paths, colon_dirs, paths
-from bunshin_gym.workspace import idmap, pool
+from bunshin_gym.workspace import idmap, pool, records
 from bunshin_gym.workspace.errors import SetupError, UnknownImage, WorkspaceError
+from bunshin_gym.workspace.snapshots.store import Store
+
+_log = logging.getLogger(__name__)
 
 PACKAGE_RECIPES = Path(__file__).parent / "recipes"
 REPO_ENVS = Path(__file__).resolve().parents[2] / "envs"
@@ -117,7 +122,8 @@ def build_lock(p: Paths, blocking: bool = True):
 class ImageStore:
     """Builds, finds and lists images in the pool."""
 
-    def __init__(self, p: Paths | None = None, log=print):
+    def __init__(self, p: Paths | None = None, log: Callable[[str], None] = _log.info):
+        """``log`` reports a build's progress (``bunshin image build`` prints it)."""
         self.p = p or paths()
         self.log = log
 
@@ -169,11 +175,8 @@ class ImageStore:
     def prune(self) -> list[str]:
         """Delete built images that are no longer current (their recipe changed or is gone)
         and that no workspace or snapshot uses; images in use are never touched."""
-        from bunshin_gym.workspace import records
-        from bunshin_gym.workspace.snapshot import SnapshotStore
-
         used = {r.image_path for r in records.all_records(self.p)}
-        used |= {s.meta.get("image_path") for s in SnapshotStore(self.p).list()}
+        used |= {s.metadata.image_path for s in Store(self.p).list()}
         known = recipe_paths()
         removed = []
         with build_lock(self.p):

@@ -25,6 +25,7 @@ import os
 import struct
 import subprocess
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
@@ -63,25 +64,26 @@ def is_mounted(mountpoint: Path) -> bool:
         return any(line.split()[1] == target and line.split()[2] == "btrfs" for line in f)
 
 
-def ensure_pool(p: Paths | None = None, log=print) -> Path:
-    """Create (first time) and mount the pool; idempotent and fast when already mounted."""
+def ensure_pool(p: Paths | None = None, say: Callable[[str], None] = log.info) -> Path:
+    """Create (first time) and mount the pool; idempotent and fast when already mounted.
+    ``say`` reports the steps (the set-up script and the CLI print them)."""
     p = p or paths()
     if is_mounted(p.pool):
         return p.pool
     p.pool.mkdir(parents=True, exist_ok=True)
     if not p.pool_file.exists():
-        log(f"creating a {p.pool_size} btrfs pool in {p.pool_file} (sparse)")
+        say(f"creating a {p.pool_size} btrfs pool in {p.pool_file} (sparse)")
         p.pool_file.parent.mkdir(parents=True, exist_ok=True)
         _run("truncate", "-s", p.pool_size, str(p.pool_file))
         _run("mkfs.btrfs", "-q", "-L", "bunshin-pool", str(p.pool_file))
-    log(f"mounting {p.pool_file} on {p.pool}")
+    say(f"mounting {p.pool_file} on {p.pool}")
     _run("mount", "-o", "loop,noatime,user_subvol_rm_allowed", str(p.pool_file), str(p.pool))
     for sub in (p.images, p.workspaces, p.snapshots):
         sub.mkdir(exist_ok=True)
     try:  # else the first workspace with a disk limit turns them on (and fails clearly there)
         ensure_quota(p.pool)
     except SetupError as e:
-        log(f"warning: {e}; workspaces will have no disk quota")
+        log.warning("%s; workspaces will have no disk quota", e)
     return p.pool
 
 

@@ -1,20 +1,28 @@
-"""``Workspace``: a live container made from an image, driven through its in-workspace agent.
+"""The two handles: ``Workspace``, a live container made from an image and driven through its
+in-workspace agent, and ``Snapshot``, a frozen state of one that clones are forked from.
 
 A workspace is an overlay of its image (read-only subvolume) and a writable upper layer
 (its own subvolume), in fresh mount, pid, net, ipc and uts namespaces, with only ``lo``,
 a memory and freezer cgroup, and PID 1 = ``/.bunshin/init``, which runs the agent.
 
+The handles live in one module because each makes the other (a workspace's snapshot, a
+snapshot's clones); what they do is below them: :mod:`.forking` takes snapshots and restores
+clones and rollbacks, :mod:`.teardown` takes workspaces down, :mod:`.snapshots` keeps the
+snapshot store. ``bunshin_gym.workspace.snapshot`` is the snapshot handle's import path.
+
 Example:
     >>> from bunshin_gym.workspace import Workspace
     >>> with Workspace.create("base") as ws:
     ...     print(ws.exec("echo hello; uname -n").text)
+    ...     snap = ws.snapshot()                 # source frozen only while dumping
+    ...     a, b = snap.fork(2)                  # two live clones, fresh namespaces each
+    ...     ws.rollback(snap)
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import select
 import subprocess
 import time
 from collections.abc import Sequence
@@ -23,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import hostlimits, idmap, memory, pool, records, snapshot
+from bunshin_gym.workspace import forking, hostlimits, idmap, memory, pool, records, teardown
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
@@ -31,8 +39,11 @@ from bunshin_gym.workspace.images import ImageStore
 from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode
 from bunshin_gym.workspace.memstat import rollup
 from bunshin_gym.workspace.runtime import ensure_runtime
-from bunshin_gym.workspace.snapshot import Snapshot, SnapshotStore
-from bunshin_gym.workspace.snapshots import views
+from bunshin_gym.workspace.snapshots import flatten, store, views
+from bunshin_gym.workspace.snapshots.stored import StoredSnapshot
+from bunshin_gym.workspace.teardown import reclaim
+
+__all__ = ["MemoryStats", "Snapshot", "SnapshotStore", "Workspace", "disk_full_in", "limits_hit", "reclaim"]
 
 
 @dataclass
@@ -172,7 +183,7 @@ class Workspace:
         ~70 ms, deleting its layer more. :meth:`close` waits for it; after a crash its record
         (owned by this process) leads ``bunshin gc`` to it."""
         self._reclaims = [f for f in self._reclaims if not f.done()]
-        self._reclaims.append(snapshot.reclaim_later(rec, self._p))
+        self._reclaims.append(teardown.reclaim_later(rec, self._p))
 
     def _wait_reclaims(self) -> None:
         for future in self._reclaims:
@@ -270,7 +281,7 @@ class Workspace:
         moment after the agent when the whole workspace is killed: wait for it briefly."""
         if why := memory.for_record(self._rec).health(self._rec, self._p):
             return WorkspaceClosed(f"{why} (during {op}: {error})")
-        if self._rec.pid1 is None or not _wait_gone(self._rec.pid1, 0.2) or self._rec.running():
+        if self._rec.pid1 is None or not teardown.wait_gone(self._rec.pid1, 0.2) or self._rec.running():
             return None
         return WorkspaceClosed(f"{self._died()} (during {op}: {error})")
 
@@ -352,7 +363,11 @@ class Workspace:
             tags: free-form metadata stored with the snapshot (task, tool-call signature).
         """
         self._check_open()
-        return snapshot.take(self, tags=tags)
+        return self._take(tags=tags)
+
+    def _take(self, *, tags: dict | None = None, ephemeral: bool = False) -> Snapshot:
+        stored = forking.take(self._rec, self._p, quiesce=self._quiesce_agent, tags=tags, ephemeral=ephemeral)
+        return Snapshot(stored.path, stored.metadata, self._p)
 
     def fork(self, n: int = 1, *, mode: str | None = None) -> list[Workspace]:
         """``n`` live clones of this workspace as it is now (a snapshot, then its fork).
@@ -360,11 +375,11 @@ class Workspace:
         The snapshot lives as long as a clone needs it and is deleted after.
         """
         self._check_open()
-        snap = snapshot.take(self, ephemeral=True)
+        snap = self._take(ephemeral=True)
         try:
             return snap.fork(n, mode=mode)
         finally:
-            snapshot.release_snapshot(snap.id, self._p)
+            teardown.release_snapshot(snap.id, self._p)
 
     def rollback(self, snap: Snapshot | str | None = None) -> None:
         """Return in place to a snapshot's state; this handle (and its id) stays valid.
@@ -382,10 +397,14 @@ class Workspace:
         if isinstance(snap, str):
             snap = SnapshotStore(self._p).get(snap)
         old = self._rec.snapshot
-        snapshot.restore_in_place(self, snap)
+        new = forking.restore_beside(self._rec, snap, self._p)  # the workspace untouched so far
+        self.disconnect()
+        replaced = forking.swap_in(self._rec, new, self._p)
+        self._cgroup = Cgroup(self._rec.cgroup)
+        self._reclaim_later(replaced)  # the wait for them to go and the file system's deletion
         self._connect()
         if old != snap.id:
-            snapshot.release_snapshot(old, self._p)
+            teardown.release_snapshot(old, self._p)
 
     @property
     def base_snapshot(self) -> str | None:
@@ -498,29 +517,59 @@ def _socket_inodes(pids: list[int]) -> set[str]:
     return found
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
+class Snapshot(StoredSnapshot):
+    """A frozen, immutable state of a workspace that clones can be forked from (a snapshot
+    directory of the store, :class:`~.snapshots.stored.StoredSnapshot`, plus what uses it)."""
+
+    def fork(self, n: int = 1, *, mode: str | MemoryMode | None = None,
+             detached: bool = False, _holder: bool = False) -> list[Workspace]:
+        """Restore ``n`` live clones concurrently, each in fresh namespaces and its own cgroup.
+
+        Args:
+            n: number of clones.
+            mode: memory mode of the clones (default: the snapshot's).
+            detached: keep the clones after this process exits (CLI use).
+            _holder: restore the snapshot's kmod holder (stopped before it runs; see kmod.py).
+        """
+        if n < 1:
+            raise ValueError(f"fork needs n >= 1, got {n}")
+        mode = MemoryMode.parse(mode or self.mode)
+        backend = memory.backend(mode)
+        forking.check_fork(self, backend)  # before anything is made
+        recs = forking.clone_records(self, n, mode, detached=detached, holder=_holder)
+        clones = [Workspace(rec, self._p) for rec in recs]
+        try:
+            forking.restore_clones(self, recs, backend)
+            for ws in clones:
+                if not _holder:
+                    ws._connect()
+        except BaseException:
+            for ws in clones:
+                ws.close()
+            raise
+        return clones
+
+    # usage and deletion --------------------------------------------------------------
+    def users(self) -> dict[str, list[str]]:
+        """Live workspaces restored from this snapshot, and child snapshots that need it."""
+        return store.Store(self._p).users(self.id)
+
+    def flatten(self) -> dict:
+        """Make this snapshot need no other snapshot: take over the ancestors' page files its
+        images name and rewrite the images (:mod:`bunshin_gym.workspace.snapshots.flatten`)."""
+        return flatten.flatten_snapshot(self)
+
+    def delete(self) -> None:
+        """Delete the snapshot; refused while a clone or a child snapshot uses it."""
+        teardown.delete_snapshot(self, self._p)
+
+    def release(self) -> None:
+        """Delete the snapshot now if nothing uses it, else as soon as nothing does (it becomes
+        ephemeral: the last user's close, or ``bunshin gc``, deletes it)."""
+        teardown.release_snapshot(self, self._p)
 
 
-def reclaim(rec: records.Record, p: Paths | None = None) -> None:
-    """Kill a workspace's processes and remove its cgroup, upper layer and record.
+class SnapshotStore(store.Store):
+    """The snapshots on this host, as :class:`Snapshot` handles (:class:`~.snapshots.store.Store`)."""
 
-    Safe on a half-created workspace and idempotent; ``bunshin gc`` uses it too.
-    """
-    p = p or paths()
-    cg = Cgroup(rec.cgroup)
-    snapshot.stop_processes(rec, p=p)  # its memory backend's on_stop last (a uffd monitor)
-    if cg.exists():
-        cg.remove()
-    pool.delete_subvolume(Path(rec.subvolume))
-    records.remove(rec.id, p)
-    memory.for_record(rec).on_reclaim(rec, p, reclaim)  # ksmd's user, the kmod holder of its snapshot
-    snapshot.release_snapshot(rec.snapshot, p)
-    memory.registry.release_unused(p, rec.snapshot)  # share's image copy of the snapshot, if unused now
+    snapshot_type = Snapshot

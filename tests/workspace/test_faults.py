@@ -22,8 +22,7 @@ from conftest import REPO, leftovers
 from fork_programs import host
 
 from bunshin_gym.config import paths
-from bunshin_gym.workspace import Workspace, WorkspaceClosed, WorkspaceError, dumping, gc, records, uffd
-from bunshin_gym.workspace import snapshot as snapshot_mod
+from bunshin_gym.workspace import Workspace, WorkspaceClosed, WorkspaceError, dumping, forking, gc, records, uffd
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SnapshotError
 from bunshin_gym.workspace.snapshot import SnapshotStore
@@ -306,7 +305,6 @@ def test_gc_reclaims_a_detached_half_restored_clone_whose_controller_was_killed(
     try:
         ctl = _controller(f"""
             from bunshin_gym.workspace.snapshot import SnapshotStore
-from bunshin_gym.workspace.snapshots import integrity
             SnapshotStore().get({snap.id!r}).fork(1, detached=True)
         """)
         (criu,) = _wait_for(lambda: _criu("restore", snap.id))
@@ -381,7 +379,7 @@ def test_a_rollback_whose_restore_fails_changes_nothing(fresh_ws, monkeypatch):
     snap = ws.snapshot()
     try:
         kept = _changed(ws)
-        del snap.meta["checksums"]  # an unverifiable (older) snapshot: CRIU meets the damage
+        snap.metadata.checksums = None  # an unverifiable (older) snapshot: CRIU meets the damage
         core = next(snap.criu_dir.glob("core-*.img"))
         os.truncate(core, 8)
         integrity.forget(snap.criu_dir)
@@ -392,7 +390,7 @@ def test_a_rollback_whose_restore_fails_changes_nothing(fresh_ws, monkeypatch):
         def disk_full(src, dst, readonly=False):
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(dst))
 
-        monkeypatch.setattr(snapshot_mod.pool, "snapshot_subvolume", disk_full)
+        monkeypatch.setattr(forking.pool, "snapshot_subvolume", disk_full)
         with pytest.raises(OSError, match="injected"):
             ws.rollback(snap)
         monkeypatch.undo()
@@ -468,11 +466,11 @@ def test_checksum_cost_on_a_300_mb_snapshot(fresh_ws):
         assert size > 300 << 20
         integrity.forget(snap.criu_dir)
         t = time.perf_counter()
-        snapshot_mod.verify(snap)
+        forking.verify(snap)
         cold = time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(100):
-            snapshot_mod.verify(snap)
+            forking.verify(snap)
         warm = (time.perf_counter() - t) / 100
         print(f"\n{size >> 20} MB of images: sums at take {snap.meta['timings']['checksum_ms']:.0f} ms, "
               f"first verify {cold * 1e3:.0f} ms, cached verify {warm * 1e6:.0f} us "
@@ -525,7 +523,7 @@ def test_a_full_disk_during_the_dump_leaves_no_snapshot_and_the_source_running(f
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "faults-full", str(criu_dir)], check=True)
         mounted.append(criu_dir)
 
-    monkeypatch.setattr(snapshot_mod, "_make_images_dir", small_images_dir)
+    monkeypatch.setattr(forking, "_make_images_dir", small_images_dir)
     try:
         with pytest.raises(ForkError, match="CRIU dump") as ei:
             ws.snapshot()
@@ -557,7 +555,7 @@ def test_a_full_disk_during_the_metadata_write_leaves_no_snapshot(fresh_ws, made
             raise OSError(errno.ENOSPC, "No space left on device (injected)", str(dst))
         return real_replace(src, dst, **kw)
 
-    monkeypatch.setattr(snapshot_mod.os, "replace", replace)
+    monkeypatch.setattr(forking.os, "replace", replace)
     with pytest.raises(OSError, match="injected"):
         ws.snapshot()
     monkeypatch.undo()
@@ -612,7 +610,7 @@ def test_a_vfork_parent_is_seen_and_frozen_past(fresh_ws):
         time.sleep(0.002)
     assert seen, "40 freezes never caught a vfork parent"
     for _ in range(10):
-        snapshot_mod._freeze_seizable(ws.cgroup, ws.id)
+        forking._freeze_seizable(ws.cgroup, ws.id)
         try:
             assert not dumping.unseizable(ws.pids())
         finally:
@@ -919,7 +917,7 @@ def test_criu_killed_holding_the_network_lock_leaves_the_connections_working(als
     try:
         ws.spawn(["python3", "-c", TCP_LOOP])
         host.wait_file(ws, "/run/tcp_n", timeout=120)
-        assert snapshot_mod.network_lock(ws.pid) == "nftables"
+        assert forking.network_lock(ws.pid) == "nftables"
         if also_killed != "criu":
             ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
         for _ in range(5):  # until CRIU is caught holding the lock, before it infects a task
@@ -973,7 +971,7 @@ def test_concurrent_dumps_under_the_nftables_lock_do_not_collide():
             ws.spawn(["python3", "-c", TCP_LOOP.replace("* 120", "* 1")])
         for ws in wss:
             host.wait_file(ws, "/run/tcp_n", timeout=120)
-            assert snapshot_mod.network_lock(ws.pid) == "nftables"
+            assert forking.network_lock(ws.pid) == "nftables"
 
         errors: list[BaseException] = []
 

@@ -160,8 +160,7 @@ def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_r
     error is raised, and the source and the snapshot are as they were (a later fork works)."""
     import threading
 
-    from bunshin_gym.workspace import records
-    from bunshin_gym.workspace import snapshot as snapshot_mod
+    from bunshin_gym.workspace import forking, records
     from bunshin_gym.workspace.cgroups import Cgroup
 
     ws = Workspace.create("base", memory_mode="share")
@@ -170,7 +169,7 @@ def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_r
         ws.write_file("/root/kept", "kept\n")
         snap = ws.snapshot()
         subvols_before = set(os.listdir(paths().workspaces))
-        real, calls, lock = snapshot_mod.pool.snapshot_subvolume, [], threading.Lock()
+        real, calls, lock = forking.pool.snapshot_subvolume, [], threading.Lock()
 
         def third_fails(src, dst, readonly=False):
             with lock:
@@ -180,7 +179,7 @@ def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_r
                 raise OSError(28, "No space left on device (injected)", str(dst))
             return real(src, dst, readonly)
 
-        monkeypatch.setattr(snapshot_mod.pool, "snapshot_subvolume", third_fails)
+        monkeypatch.setattr(forking.pool, "snapshot_subvolume", third_fails)
         with pytest.raises(OSError, match="injected"):
             snap.fork(6)
         monkeypatch.undo()

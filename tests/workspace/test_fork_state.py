@@ -10,9 +10,9 @@ import pytest
 from fork_programs import host
 from fork_programs.host import DIR, heap, sh
 
-from bunshin_gym.workspace import Workspace, snapshot
+from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.memory import MemoryMode
-from bunshin_gym.workspace.snapshots import delta
+from bunshin_gym.workspace.snapshots import delta, store
 
 HEAP_MB = 100
 PORT = 7001
@@ -174,7 +174,7 @@ def test_nested_snapshots_three_levels(mode):
                 assert heap(c, PORT, "sha") == want, f"{how} clone of a delta snapshot"
             # made independent of its parent (what flattening does first): the images alone restore it
             assert delta.materialize(last.criu_dir) and not (last.criu_dir / "parent").exists()
-            snapshot.reseal(last)  # its images were rewritten: their checksums too
+            store.Store().reseal(last)  # its images were rewritten: their checksums too
             [c] = last.fork(1, mode="copy")
             opened.append(c)
             assert heap(c, PORT, "sha") == want, "copy clone of a materialized delta snapshot"

@@ -11,8 +11,8 @@ from fork_programs import host
 from fork_programs.host import DIR, sh
 
 from bunshin_gym.workspace import Workspace
+from bunshin_gym.workspace.forking import network_lock
 from bunshin_gym.workspace.memory import MemoryMode
-from bunshin_gym.workspace.snapshot import network_lock
 
 PORT = 7100
 

@@ -90,7 +90,7 @@ def test_corrupt_snapshot_is_reported_by_name():
         logs_before = set(log_dir.iterdir())
         with pytest.raises(SnapshotError, match=f"{no_inventory.id} is corrupt: image inventory.img is missing"):
             no_inventory.fork(2)  # its checksums name the image: refused before anything is made
-        del no_inventory.meta["checksums"]  # as a snapshot taken before images had sums: CRIU meets it
+        no_inventory.metadata.checksums = None  # as a snapshot taken before images had sums: CRIU meets it
         # children of this process that earlier tests of the session keep (their workspaces'
         # uffd monitors, servers) are not this fork's: only new ones count
         children_before = set(host.children_of(os.getpid()))

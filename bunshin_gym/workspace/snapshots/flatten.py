@@ -21,33 +21,31 @@ name, so flattening a chain of flattened snapshots does not nest.
 
 The btrfs file layer (``fs/``) is a full read-only snapshot of the upper layer and never
 depends on the parent. So after flattening, ``parent`` is lineage only: the snapshot needs no
-other snapshot, and every ancestor can be deleted (:func:`needs`, :func:`stale_clones`).
+other snapshot, and every ancestor can be deleted (:mod:`.lineage`).
 
 When: :func:`on_take` flattens a new snapshot whose ``ref_depth`` would exceed
 :func:`max_depth` (``BUNSHIN_MAX_SNAPSHOT_DEPTH``, default 8, read at use); on demand
-:meth:`Snapshot.flatten` (``bunshin snap flatten ID``).
+``Snapshot.flatten`` (``bunshin snap flatten ID``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import json
 import os
 import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, max_snapshot_depth, paths
 from bunshin_gym.errors import FlattenUnavailable, SnapshotError
+from bunshin_gym.workspace import uffd
+from bunshin_gym.workspace.snapshots import delta, integrity
+from bunshin_gym.workspace.snapshots import meta as meta_file
 from bunshin_gym.workspace.snapshots.criu_images import load_image, write_image
-
-if TYPE_CHECKING:
-    from bunshin_gym.workspace import records
-    from bunshin_gym.workspace.snapshot import Snapshot
+from bunshin_gym.workspace.snapshots.meta import SnapshotMeta
+from bunshin_gym.workspace.snapshots.stored import StoredSnapshot
 
 #: where the snapshot store is mounted in every workspace (snapshot.DUMP_FLAGS' external mount)
 SNAP_MOUNT = "/.snap"
@@ -119,8 +117,6 @@ def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
     """Take over every file of another snapshot that the images in ``path/criu`` name and
     rewrite ``files.img`` to name the taken-over files. Returns what was done (for meta.json).
     A share-mode delta first gets the pages it has in its parent (:func:`delta.materialize`)."""
-    from bunshin_gym.workspace.snapshots import delta  # delta reads and writes images with this module
-
     p = p or paths()
     t0 = time.perf_counter()
     delta.materialize(path / "criu")
@@ -159,26 +155,26 @@ def flatten_dir(path: Path, snap_id: str, p: Paths | None = None) -> dict:
 
 
 # when ----------------------------------------------------------------------------------
-def on_take(path: Path, meta: dict, p: Paths) -> None:
-    """Called by snapshot.take before meta.json is written: record the snapshots the images
+def on_take(path: Path, meta: SnapshotMeta, p: Paths) -> None:
+    """Called by ``take`` before meta.json is written: record the snapshots the images
     reference (``refs``) and flatten the snapshot if its ref_depth exceeds max_depth(). The
     ref_depth from the parent's metadata undercounts for a clone restored before its snapshot
     was flattened on demand (it still maps that snapshot's former references): it is raised to
     the number of snapshots actually referenced. Without pycriu the snapshot stays a chain (a
     warning, ``flatten_error`` in the metadata)."""
-    if not meta.get("ref_depth"):
+    if not meta.ref_depth:
         return
     try:
-        meta["refs"] = sorted({r["holder"] for r in references(path / "criu", meta["id"], p)})
-        meta["ref_depth"] = max(meta["ref_depth"], len(meta["refs"]))
-        if meta["ref_depth"] > max_depth():
-            info = flatten_dir(path, meta["id"], p)
-            info["reason"] = f"ref_depth {meta['ref_depth']} > {max_depth()}"
-            meta.update(ref_depth=0, refs=[], flattened=info)
-            meta["timings"]["flatten_ms"] = info["ms"]
+        meta.refs = sorted({r["holder"] for r in references(path / "criu", meta.id, p)})
+        meta.ref_depth = max(meta.ref_depth, len(meta.refs))
+        if meta.ref_depth > max_depth():
+            info = flatten_dir(path, meta.id, p)
+            info["reason"] = f"ref_depth {meta.ref_depth} > {max_depth()}"
+            meta.ref_depth, meta.refs, meta.flattened = 0, [], info
+            meta.timings["flatten_ms"] = info["ms"]
     except FlattenUnavailable as e:
         warnings.warn(str(e), stacklevel=3)
-        meta["flatten_error"] = str(e)
+        meta.flatten_error = str(e)
 
 
 @contextlib.contextmanager
@@ -189,34 +185,30 @@ def _lock(p: Paths):
         yield
 
 
-def flatten_snapshot(snap: Snapshot) -> dict:
-    """Flatten an existing snapshot in place (see :meth:`Snapshot.flatten`). Idempotent; clones
-    restored before keep the files they map, and keep those snapshots in use (stale_clones)."""
-    from bunshin_gym.workspace import snapshot
-    from bunshin_gym.workspace.snapshots import integrity
-
+def flatten_snapshot(snap: StoredSnapshot) -> dict:
+    """Flatten an existing snapshot in place (see ``Snapshot.flatten``). Idempotent; clones
+    restored before keep the files they map, and keep those snapshots in use
+    (``lineage.stale_clones``)."""
     p = snap._p
     with _lock(p):
-        meta = json.loads((snap.path / "meta.json").read_text())
+        meta = meta_file.read(snap.path)
         info = flatten_dir(snap.path, snap.id, p)
-        if not info["files"] and meta.get("flattened"):
-            snap.meta = meta
-            return meta["flattened"]
+        if not info["files"] and meta.flattened:
+            snap.metadata = meta
+            return meta.flattened
         info["reason"] = "on demand"
-        meta.update(ref_depth=0, refs=[], flattened=info)
+        meta.ref_depth, meta.refs, meta.flattened = 0, [], info
         _update_uffd_copy(snap, p)
-        if "checksums" in meta:  # the images were rewritten: their sums too
-            meta["checksums"] = integrity.checksums(snap.criu_dir)
-        snapshot._write_meta(snap.path, meta)
-        snap.meta = meta
+        if meta.checksums is not None:  # the images were rewritten: their sums too
+            meta.checksums = integrity.checksums(snap.criu_dir)
+        meta_file.write(snap.path, meta)
+        snap.metadata = meta
         return info
 
 
-def _update_uffd_copy(snap: Snapshot, p: Paths) -> None:
+def _update_uffd_copy(snap: StoredSnapshot, p: Paths) -> None:
     """The tmpfs copy of the images that share-mode restores read (uffd.prepare_images) gets
     the rewritten files.img too (clones running from it map pages, never files.img)."""
-    from bunshin_gym.workspace import uffd
-
     if not uffd.has_image_copy(snap.id, p):
         return
     with uffd._images_lock(p) as root:
@@ -225,47 +217,3 @@ def _update_uffd_copy(snap: Snapshot, p: Paths) -> None:
             tmp = d / "files.img.flatten-tmp"
             shutil.copyfile(snap.criu_dir / "files.img", tmp)
             os.replace(tmp, d / "files.img")
-
-
-# who needs whom --------------------------------------------------------------------------
-def needs(child: Snapshot, snap_id: str) -> bool:
-    """Whether snapshot ``child`` needs snapshot ``snap_id`` to exist: it is its parent and
-    ``child`` is not flattened (any mode: the conservative rule), or its images name files of
-    it (``refs``: an ancestor further up, needed directly when a snapshot in between was
-    flattened after the clone that ``child`` was taken from had been restored)."""
-    if child.parent == snap_id and not child.meta.get("flattened"):
-        return True
-    refs = child.meta.get("refs")
-    if refs is None and child.meta.get("ref_depth", 2) >= 2 and not child.meta.get("flattened"):
-        refs = _refs_of_older(child)  # taken before refs were recorded
-    return snap_id in (refs or ())
-
-
-def _refs_of_older(snap: Snapshot) -> frozenset[str]:
-    try:
-        st = (snap.criu_dir / "files.img").stat()
-        return _refs_cached(str(snap.criu_dir), snap.id, st.st_mtime_ns)
-    except (OSError, SnapshotError):  # no pycriu: the parent chain is all there is to go by
-        return frozenset()
-
-
-@functools.lru_cache(maxsize=4096)
-def _refs_cached(criu_dir: str, snap_id: str, mtime_ns: int) -> frozenset[str]:
-    return frozenset(r["holder"] for r in references(Path(criu_dir), snap_id))
-
-
-def stale_clones(snap_id: str, p: Paths | None = None, snaps: list[Snapshot] | None = None,
-                 running: list[records.Record] | None = None) -> list[str]:
-    """Live clones that map files of ``snap_id`` through a snapshot that was flattened after
-    they were restored (they still map the files its images named before)."""
-    from bunshin_gym.workspace import records
-    from bunshin_gym.workspace.snapshot import SnapshotStore
-
-    p = p or paths()
-    snaps = SnapshotStore(p).list() if snaps is None else snaps
-    flat = {s.id: s.meta["flattened"] for s in snaps
-            if s.meta.get("flattened") and snap_id in s.meta["flattened"].get("refs_before", ())}
-    if not flat:
-        return []
-    running = [r for r in records.all_records(p) if r.running()] if running is None else running
-    return [r.id for r in running if r.snapshot in flat and r.created <= flat[r.snapshot]["at"]]

@@ -8,7 +8,7 @@ damage, not forgery (whoever can rewrite an image can rewrite meta.json), and it
 faster than SHA-256 here: about 0.25 s instead of 3 s for 300 MB of images.
 
 Forks and rollbacks call :func:`verify_dir` on the snapshot and every snapshot its images
-need (parent chain, referenced page files; ``snapshot.verify``). Hashing
+need (parent chain, referenced page files; ``Store.verify``). Hashing
 costs a full read of the images, so a verdict is cached per process by each file's (inode,
 size, mtime): a snapshot is hashed once per process, later forks only ``stat`` its files.
 """

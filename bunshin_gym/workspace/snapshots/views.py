@@ -22,19 +22,17 @@ replaced too, so a clone never maps an inode the store no longer names.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from bunshin_gym.config import Paths, paths
-
-if TYPE_CHECKING:
-    from bunshin_gym.workspace.snapshot import Snapshot
+from bunshin_gym.errors import SnapshotError
+from bunshin_gym.workspace.snapshots import meta as meta_file
+from bunshin_gym.workspace.snapshots.stored import StoredSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +53,21 @@ def empty_view(p: Paths | None = None) -> Path:
     return d
 
 
-def needed(snap: Snapshot) -> list[str]:
+def needed(snap: StoredSnapshot) -> list[str]:
     """The snapshots whose files ``snap``'s clones may map: itself and those its images name.
 
     Snapshots taken before ``refs`` was recorded name their whole parent chain.
     """
     ids = [snap.id]
-    refs = snap.meta.get("refs")
+    refs = snap.metadata.refs
     if refs is not None:
         return ids + [r for r in refs if r != snap.id]
     parent, store = snap.parent, snap._p.snapshots
     while parent and parent not in ids:
         ids.append(parent)
         try:
-            parent = json.loads((store / parent / "meta.json").read_text()).get("parent")
-        except (OSError, ValueError):
+            parent = meta_file.read(store / parent).parent
+        except (SnapshotError, OSError):
             break
     return ids
 
@@ -83,7 +81,7 @@ def _locked(p: Paths) -> Iterator[None]:
         yield
 
 
-def view_for(snap: Snapshot) -> Path:
+def view_for(snap: StoredSnapshot) -> Path:
     """The view for clones of ``snap``, made or brought in line with the store first."""
     p = snap._p
     view = root(p) / snap.id
