@@ -140,3 +140,103 @@ def test_the_library_layers_report_through_logging_not_print():
                     and f.value.attr in ("stdout", "stderr")):
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not wrong, "use logging: " + ", ".join(wrong)
+
+
+#: the layers inside the workspace runtime, bottom up (docs/design.md, "Inside the workspace
+#: runtime"): each module of ``bunshin_gym/workspace/`` (a sub-package counts as one) and the
+#: layer it is in. A module imports only from its own layer and the ones below it.
+WORKSPACE_LAYERS = [
+    ["errors"],
+    ["records"],
+    ["cgroups"],
+    ["pool", "idmap", "hostlimits"],
+    ["runtime"],
+    ["protocol", "inroot", "client"],
+    ["memory", "uffd", "kmod", "memstat"],  # the memory backends and the mechanisms they drive
+    ["snapshots"],  # the store: metadata, lineage, CRIU images, deltas, flattening, /.snap views
+    ["teardown"],
+    ["forking", "dumping"],
+    ["images", "pristine"],
+    ["workspace", "snapshot"],  # the Workspace and Snapshot handles
+    ["gc"],
+    ["__init__"],  # the package's exports
+]
+WORKSPACE = REPO / "bunshin_gym" / "workspace"
+
+
+def _workspace_module(path: Path) -> str:
+    """``snapshots.store`` for bunshin_gym/workspace/snapshots/store.py, ``snapshots`` for its
+    __init__.py, ``__init__`` for the package's."""
+    parts = list(path.relative_to(WORKSPACE).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def _workspace_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module inside bunshin_gym/workspace) of every import of one, deferred and
+    type-checking ones included: ``from bunshin_gym.workspace.snapshots import store`` names
+    ``snapshots.store``; ``from bunshin_gym.workspace import Workspace`` the package itself."""
+    def is_module(sub: str) -> bool:
+        where = WORKSPACE.joinpath(*sub.split("."))
+        return where.with_suffix(".py").exists() or (where / "__init__.py").exists()
+
+    pkg, out = "bunshin_gym.workspace", []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name.removeprefix(pkg).lstrip(".") or "__init__")
+                    for a in node.names if a.name == pkg or a.name.startswith(pkg + ".")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and (
+                node.module == pkg or node.module.startswith(pkg + ".")):
+            base = node.module.removeprefix(pkg).lstrip(".")
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                out.append((node.lineno, sub if is_module(sub) else base or "__init__"))
+    return out
+
+
+def _workspace_files() -> list[Path]:
+    return sorted(p for p in WORKSPACE.rglob("*.py") if not _in_workspace(p))
+
+
+def _rank(module: str) -> int | None:
+    top = module.split(".")[0]
+    return next((i for i, layer in enumerate(WORKSPACE_LAYERS) if top in layer), None)
+
+
+def test_every_workspace_module_has_a_layer():
+    unplaced = sorted({_workspace_module(p).split(".")[0] for p in _workspace_files()
+                       if _rank(_workspace_module(p)) is None})
+    assert not unplaced, f"place these in WORKSPACE_LAYERS (and docs/design.md): {unplaced}"
+
+
+def test_the_workspace_runtime_imports_one_way():
+    """Inside bunshin_gym/workspace/: every import (deferred ones too) points to the module's
+    own layer or one below it, and no modules import each other in a circle, inside a layer
+    either: no import is deferred into a function to dodge a cycle."""
+    wrong, edges = [], {}
+    for path in _workspace_files():
+        me = _workspace_module(path)
+        edges[me] = set()
+        for line, target in _workspace_imports(path):
+            if None not in (_rank(target), _rank(me)) and _rank(target) > _rank(me):
+                wrong.append(f"{path.relative_to(REPO)}:{line} ({WORKSPACE_LAYERS[_rank(me)][0]} layer) imports "
+                             f"{target} ({WORKSPACE_LAYERS[_rank(target)][0]} layer, above)")
+            if target != me:
+                edges[me].add(target)
+    assert not wrong, "imports against the workspace runtime's layers:\n" + "\n".join(wrong)
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in edges.get(node, ()):
+                if nxt == start:
+                    return [*trail, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*trail, nxt]))
+        return None
+
+    cycles = {" -> ".join(c) for m in edges if (c := cycle_from(m))}
+    assert not cycles, "modules that import each other in a circle:\n" + "\n".join(sorted(cycles))

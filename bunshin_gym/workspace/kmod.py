@@ -39,13 +39,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 from bunshin_gym import config, kmod_share
 from bunshin_gym.config import Paths, criu_carries, paths
 from bunshin_gym.workspace import records
+from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import SetupError
 
 CRIU_MARKER = b"CRIU_SKIP_ANON_PAGES"
@@ -387,10 +388,6 @@ def read_report(report: Path) -> dict:
 
 def main() -> int:
     """CRIU pre-resume action: serve the restored clone's anonymous memory from the holder."""
-    from dataclasses import asdict
-
-    from bunshin_gym.workspace.cgroups import Cgroup
-
     report = Path(config.get("BUNSHIN_KMOD_REPORT"))
     root = int(os.environ["CRTOOLS_INIT_PID"])
     tree = _tree_pids(root)
