@@ -1,10 +1,16 @@
-"""Snapshots of share-mode clones as deltas: pages "in parent".
+"""Snapshots of clones as deltas: pages "in parent".
 
 A clone in share mode maps its anonymous memory from a tmpfs copy of its snapshot's page
 images (:mod:`bunshin_gym.workspace.uffd`). When it is snapshotted, CRIU (patch 0014) records
 every page the clone never wrote since its restore as "in parent" instead of dumping it: a
 child snapshot holds only what changed, and its CRIU images name the parent's
 (``criu/parent``). Restoring it maps those pages from the parent's tmpfs copy.
+
+A clone in copy or ksm mode is write-tracked (:mod:`bunshin_gym.workspace.memory.tracking`):
+its private anonymous memory was write-protected in userfaultfd's asynchronous mode right
+after its restore, and CRIU (patch 0018) records every page still write-protected (PAGEMAP_SCAN:
+not written since) as in the parent. Its changed pages of private file mappings are dumped in
+full (userfaultfd cannot write-protect regular files).
 
 :func:`dump_delta` gives ``criu dump`` what it needs for that; :func:`materialize` makes a
 delta self-contained again (before flattening, so that its ancestors may go), copying its
@@ -164,9 +170,10 @@ def _flatten_pagemaps(criu_dir: Path, out_dir: Path, new_pages_id) -> None:
 def dump_delta(rec: records.Record, parent_id: str | None, p: Paths | None = None) -> tuple[list[str], dict]:
     """``criu dump`` arguments and environment that make a snapshot of a clone served by its
     monitor a delta: the pages it never wrote since its restore from ``parent_id`` are recorded
-    as in the parent (criu/patches/0014-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off. Whether a
-    clone may be dumped so is its memory backend's call (share over uffd: the parent's tmpfs
-    copy of the images, which the clone maps, exists)."""
+    as in the parent (criu/patches/0014-*, 0018-*). ``BUNSHIN_UFFD_DELTA=0`` turns it off.
+    Whether a clone may be dumped so is its memory backend's call (share over uffd: the parent's
+    tmpfs copy of the images, which the clone maps, exists; copy and ksm: its write tracker has
+    run since its restore from ``parent_id``)."""
     p = p or paths()
     if (not parent_id or not uffd_delta() or not memory.for_record(rec).can_dump_delta(rec, parent_id, p)
             or not criu_has_delta(p)):
