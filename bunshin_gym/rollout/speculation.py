@@ -452,8 +452,8 @@ def _fork_bytes(ws: Any, own_images: bool) -> int:
     if ws is None or ws.closed:
         return 0
     total = ws.cgroup.memory_usage()
-    monitor = ws._rec.extra.get("uffd") or {}
-    pids = [pid for pid in (monitor.get("guard"), monitor.get("worker")) if pid]
+    monitor = ws._rec.uffd
+    pids = [pid for pid in ((monitor.guard, monitor.worker) if monitor else ()) if pid]
     if pids:
         total += rollup(pids)["Rss"]
     if own_images and ws.base_snapshot:

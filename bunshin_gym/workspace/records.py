@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from types import MappingProxyType
 
 from bunshin_gym.config import Limits, Paths, paths
 
@@ -156,12 +154,6 @@ class Record:
 
     def running(self) -> bool:
         return process_alive(self.pid1, self.pid1_start)
-
-    @property
-    def extra(self) -> Mapping[str, object]:
-        """Read-only: the typed fields as the JSON file's ``extra`` object holds them, for
-        readers of the layout of earlier versions (prefer the fields: ``uffd``, ``kmod``, ...)."""
-        return MappingProxyType(self.to_json()["extra"])
 
     def to_json(self) -> dict:
         """The record as its file holds it (the layout of earlier versions: see _EXTRA_KEYS)."""

@@ -121,7 +121,7 @@ def main() -> int:
                     row["own_pages_clone0"] = own
                 if mode == "kmod":
                     row["clones_and_holder"] = measure(pids_of(*recs, holder))
-                    row["served"] = [c._rec.extra["kmod"] for c in clones]
+                    row["served"] = [c._rec.kmod.to_json() for c in clones]
                 for i, c in enumerate(clones):
                     heap(c, PORT, "mutate", f"w{i}")
                 row["after_1mib_write"] = measure(pids_of(*recs))

@@ -92,10 +92,7 @@ def test_typed_fields_are_saved_under_the_old_extra_keys(run_paths):
     assert extra["limits"] == {"memory": 8 << 30, "pids": 7, "disk": 8 << 30}
     assert extra["uffd"]["sock"] == "/sock" and extra["kmod"]["mechanism"] == "module"
     assert records.load("ws-1", run_paths) == rec
-    # the read-only view of the old layout, for readers not yet moved to the fields
-    assert rec.extra["uffd"]["guard"] == 1
-    with pytest.raises(TypeError):
-        rec.extra["uffd"] = {}  # type: ignore[index]
+    assert not hasattr(rec, "extra")  # no untyped view of the file's layout: readers use the fields
 
 
 def test_a_damaged_record_is_skipped_by_listing_and_the_others_still_load(run_paths):
@@ -207,7 +204,8 @@ def _imported(path: Path) -> set[str]:
 
 
 def test_backends_and_the_mechanisms_they_drive_import_no_handle_module():
-    handles = {f"bunshin_gym.workspace.{m}" for m in ("workspace", "snapshot", "gc", "snapshots", "pristine")}
+    handles = {f"bunshin_gym.workspace.{m}"
+               for m in ("workspace", "snapshot", "gc", "snapshots", "pristine", "forking", "teardown")}
     for path in [*sorted((PKG / "memory").glob("*.py")), PKG / "uffd.py", PKG / "kmod.py", PKG / "records.py"]:
         wrong = {m for m in _imported(path) if any(m == h or m.startswith(h + ".") for h in handles)}
         assert not wrong, f"{path.relative_to(PKG)} imports {sorted(wrong)}"
@@ -221,7 +219,7 @@ MODE_NAMES = {"uffd", "kmod", "ksm_acquire", "ksm_release", "uses_uffd", "uses_k
 def test_the_restore_teardown_gc_and_delta_code_names_no_mode():
     """The five places the modes used to be wired into by hand ask the backend instead: adding a
     mode touches only its file and the registry."""
-    for name in ("snapshot.py", "workspace.py", "gc.py", "snapshots/delta.py"):
+    for name in ("forking.py", "teardown.py", "workspace.py", "gc.py", "snapshots/delta.py", "snapshots/store.py"):
         tree = ast.parse((PKG / name).read_text())
         named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
             {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
