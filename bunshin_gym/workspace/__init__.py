@@ -1,4 +1,4 @@
-"""The workspace runtime: images, live container workspaces, and (next) their forks."""
+"""The workspace runtime: images, live container workspaces, their snapshots, forks and rollbacks."""
 
 from bunshin_gym.workspace.client import ExecResult
 from bunshin_gym.workspace.errors import (

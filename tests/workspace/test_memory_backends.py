@@ -216,10 +216,12 @@ MODE_NAMES = {"uffd", "kmod", "ksm_acquire", "ksm_release", "uses_uffd", "uses_k
               "KSM", "COPY", "MAP_ANON", "HOLDER_KEY", "close_holders", "holder_for", "restore_setup", "extra"}
 
 
-def test_the_restore_teardown_gc_and_delta_code_names_no_mode():
-    """The five places the modes used to be wired into by hand ask the backend instead: adding a
-    mode touches only its file and the registry."""
-    for name in ("forking.py", "teardown.py", "workspace.py", "gc.py", "snapshots/delta.py", "snapshots/store.py"):
+def test_the_restore_teardown_gc_and_snapshot_store_code_names_no_mode():
+    """The places the modes used to be wired into by hand (restore, teardown, gc, delta,
+    flattening's image copy) ask the backend instead: adding a mode touches only its file and
+    the registry."""
+    store = [f.relative_to(PKG).as_posix() for f in sorted((PKG / "snapshots").glob("*.py"))]
+    for name in ("forking.py", "teardown.py", "workspace.py", "gc.py", *store):
         tree = ast.parse((PKG / name).read_text())
         named = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
             {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \

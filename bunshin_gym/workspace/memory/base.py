@@ -122,6 +122,10 @@ class MemoryBackend:
     def on_snapshot_removed(self, snap_id: str, p: Paths, reclaim: Reclaim) -> None:
         """The snapshot is being deleted: drop everything this backend keeps for it."""
 
+    def on_images_rewritten(self, snap_id: str, criu_dir: Path, names: list[str], p: Paths) -> None:
+        """Images ``names`` of the snapshot were rewritten in place on purpose (flattening's
+        ``files.img``): bring any copy of them this backend keeps in line."""
+
     # bunshin gc --------------------------------------------------------------------------------
     def collected_later(self, rec: Record) -> bool:
         """gc's first pass leaves this record to :meth:`collect` (a helper workspace)."""

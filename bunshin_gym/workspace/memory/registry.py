@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from enum import StrEnum
+from pathlib import Path
 
 from bunshin_gym.config import Paths
 from bunshin_gym.workspace.memory.base import MemoryBackend, Reclaim
@@ -87,6 +88,12 @@ def snapshot_removed(snap_id: str, p: Paths, reclaim: Reclaim) -> None:
     """A snapshot is being deleted: every backend drops what it keeps for it."""
     for b in _BACKENDS.values():
         b.on_snapshot_removed(snap_id, p, reclaim)
+
+
+def images_rewritten(snap_id: str, criu_dir: Path, names: list[str], p: Paths) -> None:
+    """A snapshot's images ``names`` were rewritten in place: every backend updates its copies."""
+    for b in _BACKENDS.values():
+        b.on_images_rewritten(snap_id, criu_dir, names, p)
 
 
 def collect(p: Paths, reclaim: Reclaim) -> list[str]:

@@ -11,6 +11,8 @@ With ``BUNSHIN_SHARE_KSM=1`` uffd clones are KSM-mergeable too.
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from bunshin_gym.config import Paths, share_ksm
@@ -84,6 +86,19 @@ class ShareBackend(MemoryBackend):
 
     def on_snapshot_removed(self, snap_id: str, p: Paths, reclaim: Reclaim) -> None:
         uffd.release_images(p, snap_id, force=True)
+
+    def on_images_rewritten(self, snap_id: str, criu_dir: Path, names: list[str], p: Paths) -> None:
+        # the tmpfs copy that share restores read (uffd.prepare_images) gets the new files too;
+        # clones running from it map its pages, never these (files.img)
+        if not uffd.has_image_copy(snap_id, p):
+            return
+        with uffd._images_lock(p) as root:
+            d = root / snap_id
+            if (d / ".complete").exists():
+                for name in names:
+                    tmp = d / f"{name}.flatten-tmp"
+                    shutil.copyfile(criu_dir / name, tmp)
+                    os.replace(tmp, d / name)
 
     def sweep(self, p: Paths) -> list[str]:
         return uffd.sweep(p)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bunshin_gym.config import Paths, max_snapshot_depth, paths
 from bunshin_gym.errors import FlattenUnavailable, SnapshotError
-from bunshin_gym.workspace import uffd
+from bunshin_gym.workspace import memory
 from bunshin_gym.workspace.snapshots import delta, integrity
 from bunshin_gym.workspace.snapshots import meta as meta_file
 from bunshin_gym.workspace.snapshots.criu_images import load_image, write_image
@@ -198,22 +198,9 @@ def flatten_snapshot(snap: StoredSnapshot) -> dict:
             return meta.flattened
         info["reason"] = "on demand"
         meta.ref_depth, meta.refs, meta.flattened = 0, [], info
-        _update_uffd_copy(snap, p)
+        memory.registry.images_rewritten(snap.id, snap.criu_dir, ["files.img"], p)  # share's tmpfs copy
         if meta.checksums is not None:  # the images were rewritten: their sums too
             meta.checksums = integrity.checksums(snap.criu_dir)
         meta_file.write(snap.path, meta)
         snap.metadata = meta
         return info
-
-
-def _update_uffd_copy(snap: StoredSnapshot, p: Paths) -> None:
-    """The tmpfs copy of the images that share-mode restores read (uffd.prepare_images) gets
-    the rewritten files.img too (clones running from it map pages, never files.img)."""
-    if not uffd.has_image_copy(snap.id, p):
-        return
-    with uffd._images_lock(p) as root:
-        d = root / snap.id
-        if (d / ".complete").exists():
-            tmp = d / "files.img.flatten-tmp"
-            shutil.copyfile(snap.criu_dir / "files.img", tmp)
-            os.replace(tmp, d / "files.img")
