@@ -324,7 +324,7 @@ def holder_for(snap, p: Paths | None = None) -> records.Record:
 
 def close_holders(snap_id: str, reclaim: Callable[[records.Record, Paths], None], p: Paths | None = None, *,
                   unless_used: bool = False) -> list[str]:
-    """Reclaim the holders of a snapshot with ``reclaim`` (``workspace.reclaim``) on its
+    """Reclaim the holders of a snapshot with ``reclaim`` (``teardown.reclaim``) on its
     deletion; with ``unless_used``, only when no kmod clone of it is left: a holder costs a
     full copy of the snapshot's memory."""
     p = p or paths()

@@ -19,7 +19,7 @@ from typing import ClassVar, Protocol
 from bunshin_gym.config import Paths
 from bunshin_gym.workspace.records import Record
 
-#: reclaims a workspace named by its record (``workspace.reclaim``), passed in by the caller
+#: reclaims a workspace named by its record (``teardown.reclaim``), passed in by the caller
 Reclaim = Callable[[Record, Paths], None]
 
 

@@ -47,7 +47,7 @@ from bunshin_gym.workspace.snapshots.criu_images import load_image, write_image
 from bunshin_gym.workspace.snapshots.meta import SnapshotMeta
 from bunshin_gym.workspace.snapshots.stored import StoredSnapshot
 
-#: where the snapshot store is mounted in every workspace (snapshot.DUMP_FLAGS' external mount)
+#: where the snapshot store is mounted in every workspace (forking.DUMP_FLAGS' external mount)
 SNAP_MOUNT = "/.snap"
 #: the directory of a snapshot that holds the files it took over from its ancestors
 FLAT_DIR = "flat"
