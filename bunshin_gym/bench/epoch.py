@@ -21,9 +21,11 @@ generation would take that long. The trajectories are saved with the results, an
 ``--replay FILE`` replays those of an earlier run.
 
 Memory is what the run's own workspaces use, sampled over time: the sum of their cgroups'
-charge, the tmpfs page images their share clones map, their userfaultfd monitors, and (in
-full mode) the snapshot bytes the prefix cache keeps resident (its residency's count, under
-a budget sized from the run unless ``--cache-budget-mb`` fixes it); never host-wide. The
+charge, the tmpfs page images their share clones map or the prefix cache keeps for its hot
+snapshots, their userfaultfd monitors, and (in full mode) the bytes of the cache's resident
+snapshots held in the page cache only (the residency's count, under a budget sized from the
+run unless ``--cache-budget-mb`` fixes it); never host-wide. Each sample's parts are saved
+(``memory_parts_trace``), so a spike can be read back as what made it. The
 live speculative forks (spec and full) and their snapshots are bounded by a share of the
 run's peak memory (:data:`~bunshin_gym.rollout.speculation.MEMORY_FRACTION`, 3%: with the
 cache's 2%, Full stays within the 5% of share-base the paper reports); a prediction whose
@@ -46,6 +48,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -201,7 +204,7 @@ def make_trajectories(env_id: str, tasks: list[str], *, group: int, epochs: int,
 # memory of the run's own workspaces ---------------------------------------------------
 class WorkspaceMemorySampler(MemorySampler):
     """Samples :func:`workspace_memory` (plus ``extra()``: the prefix cache's resident
-    snapshots) in absolute bytes; ``parts`` keeps each sample's components."""
+    snapshots not counted in it) in absolute bytes; ``parts`` keeps each sample's components."""
 
     relative = False
 
@@ -237,20 +240,84 @@ def memory_figures(trace: list[tuple[float, int]]) -> dict:
 
 
 # hot and cold restores ---------------------------------------------------------------
-def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 3,
+#: the phases of a restore that :func:`measure_restores` times apart: the (module, function)
+#: places each may be found at (the first found is wrapped while it measures). What is left,
+#: "rest", is the checks before, the swap of the workspace's record and the connections after,
+#: and the env's first observation.
+RESTORE_PHASES = {
+    "tmpfs_copy": [("bunshin_gym.workspace.uffd", "prepare_images")],
+    "monitor_start": [("bunshin_gym.workspace.uffd", "start")],
+    "files": [("bunshin_gym.workspace.forking", "_lay_files"), ("bunshin_gym.workspace.snapshot", "_lay_files")],
+    # the wait for `criu restore` to exit, once started
+    "criu_restore": [("bunshin_gym.workspace.forking", "_finish_restore"),
+                     ("bunshin_gym.workspace.snapshot", "_finish_restore")],
+    "agent_ready": [("bunshin_gym.workspace.client", "AgentClient.wait_ready")],
+}
+
+
+class _PhaseTimer:
+    """Seconds spent in each of :data:`RESTORE_PHASES` while active (the functions wrapped in
+    place, restored on exit; the measurement runs one restore at a time)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> _PhaseTimer:
+        import importlib
+
+        for phase, places in RESTORE_PHASES.items():
+            for module, name in places:
+                try:
+                    owner: Any = importlib.import_module(module)
+                    *outer, attr = name.split(".")
+                    for part in outer:
+                        owner = getattr(owner, part)
+                    fn = getattr(owner, attr)
+                except (ImportError, AttributeError):
+                    continue  # moved: the next place, or the phase counts in "rest"
+                self._saved.append((owner, attr, fn))
+                setattr(owner, attr, self._timed(phase, fn))
+                break
+            else:
+                log.warning("bench epoch: the restore phase %s was not found; it counts in 'rest'", phase)
+        return self
+
+    def _timed(self, phase: str, fn: Callable) -> Callable:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+        return run
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+
+
+def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
                      env_kwargs: dict | None = None) -> dict:
-    """Seconds a restore of a cached snapshot takes with its images in memory (hot) and
-    dropped to disk (cold: :func:`~bunshin_gym.rollout.residency.drop_snapshot`, as the
-    prefix cache evicts), restored as the cache restores (the env rolled back to it, a share
-    workspace). Two sibling snapshots, one action each after the task's start, are restored
-    in turn, so the one restored is never the one whose tmpfs copy the live workspace maps.
+    """Seconds a restore of a cached snapshot takes hot and cold, in total and per phase
+    (:data:`RESTORE_PHASES`), restored as the prefix cache restores (the env rolled back to
+    it, a share workspace).
+
+    Hot is a snapshot the cache keeps resident: its tmpfs copy of page images kept
+    (:func:`~bunshin_gym.rollout.residency.keep_copy`) and its images in the page cache, so a
+    restore maps the copy as it is. Cold is one the cache evicted
+    (:func:`~bunshin_gym.rollout.residency.drop_snapshot`): copy dropped, images written back
+    and dropped from the page cache, so a restore reads them from the pool and copies them
+    again. Two sibling snapshots, one action each after the task's start, are restored in
+    turn, hot and cold alternating, so that load drift hits both alike and the one restored
+    is never the one the live workspace maps.
 
     The pool is a loop device over a file without direct I/O, so a cold read comes back
     through the host's cache of that file when it still holds it, not from the disk itself:
     on a real disk a cold restore costs more than here."""
     import gymnasium as gym
 
-    from bunshin_gym.rollout.residency import drop_snapshot, warm_snapshot
+    from bunshin_gym.rollout.residency import drop_snapshot, keep_copy, warm_snapshot
     from bunshin_gym.workspace import uffd
 
     if len(actions) < 2:
@@ -258,6 +325,7 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 3,
     env = gym.make(env_id, memory_mode="share", **(env_kwargs or {}))
     snaps, sizes = [], []
     times: dict[str, list[float]] = {"hot": [], "cold": []}
+    phases: dict[str, list[dict]] = {"hot": [], "cold": []}
     try:
         base = env.unwrapped
         env.reset(options={"task": task})
@@ -269,28 +337,42 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 3,
         for _ in range(rounds):
             for heat in ("hot", "cold"):
                 for snap in snaps:
-                    deadline = time.monotonic() + 20  # the last restore's predecessor is reclaimed meanwhile
-                    while uffd.has_image_copy(snap.id) and time.monotonic() < deadline:
-                        uffd.release_images(snap_id=snap.id)
-                        time.sleep(0.1)
                     if heat == "hot":
+                        keep_copy(snap.id, make=True)
                         warm_snapshot(snap.id)
                     else:
                         drop_snapshot(snap.id)
-                    t0 = time.perf_counter()
-                    base.rollback(snap)
-                    base.workspace  # noqa: B018 - as the cache's restore: the workspace runs
-                    times[heat].append(round(time.perf_counter() - t0, 3))
+                        deadline = time.monotonic() + 20  # the last restore's predecessor is reclaimed meanwhile
+                        while uffd.has_image_copy(snap.id) and time.monotonic() < deadline:
+                            uffd.release_images(snap_id=snap.id)
+                            time.sleep(0.1)
+                    with _PhaseTimer() as phase:
+                        t0 = time.perf_counter()
+                        base.rollback(snap)
+                        base.workspace  # noqa: B018 - as the cache's restore: the workspace runs
+                        total = time.perf_counter() - t0
+                    times[heat].append(round(total, 3))
+                    known = {k: round(v, 3) for k, v in phase.seconds.items()}
+                    phases[heat].append({**known, "rest": round(total - sum(phase.seconds.values()), 3)})
     finally:
         env.close()
         for snap in snaps:
+            uffd.keep_images(snap.id, keep=False)
             try:
                 snap.workspace.delete()
             except Exception as e:  # noqa: BLE001 - a leftover snapshot is reported, the figures stand
                 log.warning("bench epoch: deleting restore-measurement snapshot %s failed: %s", snap.id, e)
-    out: dict = {k: {"times_s": v, "mean_s": round(sum(v) / len(v), 3) if v else None} for k, v in times.items()}
+    out: dict = {k: {"times_s": v, "mean_s": round(sum(v) / len(v), 3) if v else None,
+                     "median_s": round(statistics.median(v), 3) if v else None,
+                     "phases_median_s": _median_phases(phases[k]), "phases_s": phases[k]}
+                 for k, v in times.items()}
     out.update(task=task, rounds=rounds, images_mb=sizes, snapshots=[snap.id for snap in snaps])
     return out
+
+
+def _median_phases(rows: list[dict]) -> dict:
+    names = [*RESTORE_PHASES, "rest"]
+    return {n: round(statistics.median(r.get(n, 0.0) for r in rows), 3) for n in names} if rows else {}
 
 
 TARGETS = [
@@ -334,7 +416,11 @@ def evaluate_targets(res: dict) -> list[dict]:
                                                                                  strict=True))
     add(5, "identical" if same else "DIFFER", same)
     r = res.get("restores")
-    if r and r["hot"]["mean_s"] and r["cold"]["mean_s"]:
+    if r and r["hot"].get("median_s") and r["cold"].get("median_s"):  # medians: a loaded host's outliers
+        hot, cold = r["hot"]["median_s"], r["cold"]["median_s"]
+        add(6, f"median hot {hot} s, cold {cold} s ({cold / hot:.2f}x; means {r['hot']['mean_s']}, "
+               f"{r['cold']['mean_s']})", hot < cold)
+    elif r and r["hot"]["mean_s"] and r["cold"]["mean_s"]:  # a run saved before medians were
         hot, cold = r["hot"]["mean_s"], r["cold"]["mean_s"]
         add(6, f"hot {hot} s, cold {cold} s ({cold / hot:.2f}x)", hot < cold)
     return out
@@ -369,7 +455,9 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     clock = time.perf_counter()
     results: list[list] = [[] for _ in recs]
     spans: list[tuple[float, float]] = []
-    resident = (lambda: state.cache.residency.resident_bytes) if state.cache else None
+    from bunshin_gym.workspace import uffd
+
+    resident = (lambda: state.cache.residency.bytes_outside(uffd.has_image_copy)) if state.cache else None
 
     def one(k: int) -> None:
         rec = recs[k]
@@ -400,10 +488,22 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
         "memory": memory_figures(trace),
         "memory_trace": [(t, round(m / 2**20, 1)) for t, m in trace],
         "memory_parts_at_peak": _parts_at_peak(mem),
+        "memory_parts_trace": _parts_trace(mem),
         "cache": state.cache.stats.as_dict() if state.cache else None,
         "cache_budget_mb": round(state.cache.residency.budget / 2**20, 1) if state.cache else None,
         "speculation": spec.stats.as_dict() if spec else None,
     }
+
+
+def _parts_trace(mem: WorkspaceMemorySampler) -> list[list]:
+    """Per sample: seconds, then MB of cgroups, page images, monitors and cache-resident
+    snapshots, and the number of workspaces (:data:`PARTS_COLUMNS`)."""
+    return [[t, *(round(p[k] / 2**20, 1) for k in PARTS_COLUMNS[1:-1]), p["workspaces"]]
+            for (t, _), p in zip(mem.samples, mem.parts, strict=False)]
+
+
+#: the columns of a ``memory_parts_trace`` row
+PARTS_COLUMNS = ("s", "cgroups", "page_images", "monitors", "cache_resident", "workspaces")
 
 
 def _parts_at_peak(mem: WorkspaceMemorySampler) -> dict:
@@ -429,7 +529,7 @@ PAPER = Size(tasks=8, group=8, epochs=3)
 def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str] | None = None,
         size: Size = DEFAULT, seed: int = 7, modes: tuple[str, ...] = MODES, think: ThinkTime | None = None,
         parallel: int = 0, min_speculate_s: float = 0.8, cache_budget_mb: int | None = None,
-        replay: str | None = None, figures: str | None = None, restore_rounds: int = 3) -> dict:
+        replay: str | None = None, figures: str | None = None, restore_rounds: int = 5) -> dict:
     """Run the benchmark; write the JSON, the printed table (``.txt``) and a PNG per figure
     next to ``json_path`` (or under ``figures``, a path prefix). ``restore_rounds`` rounds of
     hot and cold restores are measured after the epochs (:func:`measure_restores`; 0: none).
@@ -482,8 +582,8 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
             kwargs = dict(ENV_KWARGS[env_id], **({"action_space": first["kind"]} if env_id == OSWORLD else {}))
             res["restores"] = measure_restores(env_id, first["task"], first["members"][0]["actions"],
                                                rounds=restore_rounds, env_kwargs=kwargs)
-            print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): hot "
-                  f"{res['restores']['hot']['mean_s']} s, cold {res['restores']['cold']['mean_s']} s", flush=True)
+            print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): median hot "
+                  f"{res['restores']['hot']['median_s']} s, cold {res['restores']['cold']['median_s']} s", flush=True)
     finally:
         for st in states.values():
             if st.cache is not None:
@@ -521,6 +621,13 @@ def summarise(res: dict) -> str:
                           "mean reward", "load"]), ""]
     lines.append(table([[t["figure"], t["target"], t["measured"], _mark(t["ok"])] for t in res["targets"]],
                        ["figure", "target", "measured", "ok"]))
+    r = res.get("restores")
+    if r and r["hot"].get("phases_median_s"):
+        names = list(r["hot"]["phases_median_s"])
+        lines += ["", f"restores of a cached snapshot ({r['images_mb']} MB of images, {len(r['hot']['times_s'])} "
+                  "each, alternating), median seconds per phase:",
+                  table([[k, r[k]["median_s"], *r[k]["phases_median_s"].values()] for k in ("hot", "cold")],
+                        ["restore", "total", *names])]
     noise = run_to_run_noise(res)
     if noise is not None:
         lines.append(f"\nrun-to-run noise: spec's epoch 1 runs exactly as share-base's (no log to speculate from "

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +64,7 @@ from bunshin_gym.core.env import EnvSnapshot
 from bunshin_gym.core.wrappers import BunshinWrapper
 from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text, same_observation
-from bunshin_gym.rollout.residency import Residency
+from bunshin_gym.rollout.residency import Residency, copy_bytes, keep_copy
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.stats import CacheStats, Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
@@ -257,12 +259,21 @@ class PrefixCache(Counted):
                        "served again", node.sig[:200], node.depth)
         return True
 
-    def start_cost(self, path: list[Node], live: int | None, *, materialized: bool = True) -> tuple[float, int]:
+    def start_cost(self, path: list[Node], live: int | None, *, materialized: bool = True,
+                   restore_bytes: Callable[[Node], int] | None = None) -> tuple[float, int]:
         """The cheapest way to bring a workspace to ``path[-1]``: (estimated seconds, index
         of the start), where the start is ``live`` (the live workspace's index, no restore,
         unless the env is lazy and still has to fork it), a snapshotted node's index (a
         restore), or 0 (the episode's start state, restored). Each start costs its restore
-        plus the recorded durations of the calls after it."""
+        plus the recorded durations of the calls after it.
+
+        ``restore_bytes(node)``: the memory a restore of the node's snapshot adds to the run
+        (a share restore of a snapshot whose tmpfs copy is not there makes one, mapped by that
+        clone alone: measured on the desktop, a restored member plus its copy held 13 MB more
+        than a member that replayed the same calls from the group's start). A restore only
+        competes when that fits the cache's memory budget (the snapshot then becomes resident,
+        its copy kept, and less recently used ones are evicted to make room); the episode's
+        start and the live workspace always do (their copy is the group's, mapped anyway)."""
         after = [0.0] * (len(path) + 1)  # after[i]: seconds to replay path[i:]
         for i in range(len(path) - 1, -1, -1):
             after[i] = after[i + 1] + path[i].duration
@@ -272,7 +283,15 @@ class PrefixCache(Counted):
         if live is not None:
             options.append(((0.0 if materialized else self.stats.restore_cost(True)) + after[live + 1], live))
         # ties go to the deeper start (fewer replays, fewer chances of a non-deterministic call)
-        return min(options, key=lambda o: (o[0], -o[1]))
+        best = min(options, key=lambda o: (o[0], -o[1]))
+        if restore_bytes is None or best[1] in (0, live):
+            return best
+        budget = self.residency.budget
+        fits = [o for o in options if o[1] in (0, live) or restore_bytes(path[o[1]]) <= budget]
+        if best not in fits:
+            self.count(restores_declined=1)
+            best = min(fits, key=lambda o: (o[0], -o[1]))
+        return best
 
     def shared_start(self, root: Node, base: Any) -> None:
         """Make a lazy member (``base``: its unwrapped env, not forked yet) start from the
@@ -503,7 +522,8 @@ class PrefixCacheWrapper(BunshinWrapper):
         base = self.env.unwrapped
         _inner_call(self.env, "cancel_speculation")
         while True:
-            _, start = self.cache.start_cost(path, live, materialized=base.materialized)
+            _, start = self.cache.start_cost(path, live, materialized=base.materialized,
+                                             restore_bytes=self._restore_bytes)
             if start == live:
                 break
             if start == 0:
@@ -552,6 +572,11 @@ class PrefixCacheWrapper(BunshinWrapper):
         else:
             self.cache.count(restores=1, restores_cold=1, restore_cold_s=seconds)
 
+    def _restore_bytes(self, node: Node) -> int:
+        """Bytes of page images a restore of ``node``'s snapshot would copy onto the tmpfs
+        (none where the env's clones map no copy: only share clones served by uffd do)."""
+        return copy_bytes(node.snapshot) if node.snapshot and _maps_copies(self.env.unwrapped.memory_mode) else 0
+
     def _env_snapshot(self, node: Node) -> EnvSnapshot | None:
         from bunshin_gym.workspace.snapshot import SnapshotStore
 
@@ -573,6 +598,8 @@ class PrefixCacheWrapper(BunshinWrapper):
                 return
             node.snapshot, node.state = snap.id, {"steps": snap.steps, "episode": snap.state}
         self.cache.residency.add(node, snap.workspace.size())
+        if self.cache.residency.is_resident(node) and _maps_copies(base.memory_mode):
+            keep_copy(snap.id, make=True)  # hot: its restores find their copy made (off the caller's path)
         self.cache.count(snapshots=1, snapshot_s=time.perf_counter() - t0)
 
     def _log(self, sig: str, action: Any, duration: float, served: str, obs: Any) -> None:
@@ -594,6 +621,17 @@ def _inner_call(env: gym.Env, method: str, *args: Any) -> None:
         if fn is not None:
             fn(e, *args)
         e = e.env
+
+
+@functools.cache
+def _maps_copies(memory_mode: str) -> bool:
+    """Whether clones in this memory mode map a tmpfs copy of their snapshot's page images
+    (share, where userfaultfd serves anonymous memory)."""
+    if memory_mode != "share":
+        return False
+    from bunshin_gym.workspace.memory.share import share_anon_mechanism
+
+    return share_anon_mechanism() == "uffd"
 
 
 def _snapshot_size(snap_id: str) -> int:

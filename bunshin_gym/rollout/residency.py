@@ -1,9 +1,12 @@
 """Which cached snapshots stay in memory: an ancestor-aware LRU under a byte budget.
 
-A snapshot's images are "resident" (hot) while they stay in memory, and go "to disk" (cold)
-when evicted: written back and dropped from the page cache with ``posix_fadvise(DONTNEED)``,
-and their tmpfs copy (what share clones map) dropped unless a running clone maps it.
-Restoring an evicted snapshot reads it back from the pool. A child snapshot's restore also
+A snapshot's images are "resident" (hot) while they stay in memory: in the page cache and,
+for share restores, as the tmpfs copy that share clones map, kept by this process
+(:func:`keep_copy`) after the clones that mapped it are gone, so that a restore of a hot
+snapshot skips making it. Evicted, they go "to disk" (cold): written back and dropped from
+the page cache with ``posix_fadvise(DONTNEED)``, and their tmpfs copy no longer kept (dropped
+unless a running clone maps it). Restoring an evicted snapshot reads it back from the pool
+and copies it again. A child snapshot's restore also
 reads its ancestors' images (their page files are mapped in the ``share`` modes), so an
 ancestor stays resident while any resident descendant needs it: touching a node touches
 its ancestors, and only nodes without resident descendants are evicted.
@@ -27,7 +30,7 @@ from typing import Any
 
 from bunshin_gym.rollout.runmemory import run_bytes
 
-__all__ = ["AUTO_FRACTION", "Residency", "drop_snapshot", "warm_snapshot"]
+__all__ = ["AUTO_FRACTION", "Residency", "copy_bytes", "drop_snapshot", "keep_copy", "warm_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +126,19 @@ class Residency:
                 self.resident[n] = None
                 self.resident.move_to_end(n)
             victims = self._over_budget()
+            kept = [n for n in chain if n in self.resident]
         for v in victims:
             _drop_from_memory(v)
+        for n in kept:  # a copy a restore of it made stays after its clones are gone
+            if getattr(n, "snapshot", None):
+                keep_copy(n.snapshot)
+
+    def bytes_outside(self, copied: Callable[[str], bool]) -> int:
+        """Bytes of resident snapshots whose images are not ``copied`` (held in the page cache
+        only; a kept tmpfs copy is counted with the run's page images)."""
+        with self._lock:
+            return sum(self.sizes[n] for n in self.resident
+                       if not (getattr(n, "snapshot", None) and copied(n.snapshot)))
 
     def _over_budget(self) -> list:
         victims = []
@@ -152,13 +166,51 @@ def _drop_from_memory(node: Any) -> None:
         drop_snapshot(node.snapshot)
 
 
-def drop_snapshot(snap_id: str) -> None:
-    """Make a snapshot cold: its images written back and dropped from the page cache, and
-    its tmpfs copy dropped unless a running clone maps it."""
+def keep_copy(snap_id: str, *, make: bool = False) -> bool:
+    """Keep the snapshot's tmpfs copy of page images (what a share restore maps) while this
+    process lives, mapped or not, so that restores of it skip copying; ``make`` copies it
+    first where it is not there. Returns whether a copy is kept."""
     from bunshin_gym.errors import SnapshotError
     from bunshin_gym.workspace import uffd
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
+    if make and not uffd.has_image_copy(snap_id):
+        try:
+            snap = SnapshotStore().get(snap_id)
+        except SnapshotError:
+            return False
+        uffd.prepare_images(snap.id, snap.criu_dir)
+    return uffd.keep_images(snap_id)
+
+
+def copy_bytes(snap_id: str) -> int:
+    """Bytes a share restore of the snapshot would copy onto the tmpfs of page images: its
+    own images and those of the ancestors its images link to (deltas), less the copies that
+    are there already."""
+    from bunshin_gym.errors import SnapshotError
+    from bunshin_gym.workspace import uffd
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    store, total, sid = SnapshotStore(), 0, snap_id
+    while sid and not uffd.has_image_copy(sid):
+        try:
+            snap = store.get(sid)
+        except SnapshotError:
+            break
+        total += snap.size()
+        link = snap.criu_dir / "parent"  # a delta's pages in parent are mapped from the parent's copy
+        sid = link.resolve().parent.name if link.is_symlink() else None
+    return total
+
+
+def drop_snapshot(snap_id: str) -> None:
+    """Make a snapshot cold: its images written back and dropped from the page cache, and
+    its tmpfs copy no longer kept (dropped unless a running clone maps it)."""
+    from bunshin_gym.errors import SnapshotError
+    from bunshin_gym.workspace import uffd
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    uffd.keep_images(snap_id, keep=False)
     try:
         criu = SnapshotStore().get(snap_id).criu_dir
     except SnapshotError:

@@ -1,10 +1,11 @@
 """Memory of the workspaces one process runs: what a rollout run costs, never host-wide.
 
 The sum of the run's workspaces' cgroup charge, the tmpfs page images their share clones
-map (allocated bytes, counted once per snapshot copy, parents included), and the resident
-memory of their userfaultfd monitors. The prefix cache sizes its residency budget from it
-(:class:`~bunshin_gym.rollout.residency.Residency`), speculation bounds the memory of its live
-forks by a share of it (:class:`RunBudget`), and ``bunshin bench epoch`` samples it.
+map or the process keeps for its hot cached snapshots (allocated bytes, counted once per
+snapshot copy, parents included), and the resident memory of their userfaultfd monitors.
+The prefix cache sizes its residency budget from it
+(:class:`~bunshin_gym.rollout.residency.Residency`), speculation bounds the memory of its
+live forks by a share of it (:class:`RunBudget`), and ``bunshin bench epoch`` samples it.
 """
 
 from __future__ import annotations
@@ -37,9 +38,20 @@ def _dir_bytes(d: Path) -> int:
     return total
 
 
+def _kept_copies(root: Path, owner: int) -> set[str]:
+    """Snapshots whose tmpfs copy ``owner`` keeps mapped or not (its prefix cache's hot ones)."""
+    if not os.path.ismount(root):
+        return set()
+    try:
+        return {d.name for d in root.iterdir() if d.is_dir() and uffd.keeper(d) == owner}
+    except OSError:
+        return set()
+
+
 def workspace_memory(owner: int | None = None) -> dict[str, int]:
     """Bytes used by the workspaces this process (or ``owner``) runs, by part: ``cgroups``,
-    ``page_images``, ``monitors``, and how many ``workspaces`` there are."""
+    ``page_images`` (those its clones map and those it keeps), ``monitors``, and how many
+    ``workspaces`` there are."""
     owner = os.getpid() if owner is None else owner
     mine = [r for r in records.all_records() if r.owner == owner and r.pid1]
     cgroups = 0
@@ -50,7 +62,7 @@ def workspace_memory(owner: int | None = None) -> dict[str, int]:
             pass  # closed meanwhile
     root = paths().run / "uffd-images"
     served = [r for r in mine if r.uffd is not None]  # share clones: a monitor, a mapped image
-    used = uffd.with_ancestors(root, {r.snapshot for r in served if r.snapshot})
+    used = uffd.with_ancestors(root, {r.snapshot for r in served if r.snapshot} | _kept_copies(root, owner))
     images = sum(_dir_bytes(root / n) for n in used)
     monitors = [pid for r in served for pid in (r.uffd.guard, r.uffd.worker) if pid]
     return {"cgroups": cgroups, "page_images": images, "monitors": rollup(monitors)["Rss"],

@@ -37,6 +37,9 @@ class CacheStats:
     restore_hot_s: float = 0.0
     restores_cold: int = 0
     restore_cold_s: float = 0.0
+    # restores that were the quickest start but would have made a tmpfs copy of page images
+    # beyond the cache's memory budget: the calls were replayed from a start mapped anyway
+    restores_declined: int = 0
     # replayed calls whose observation differed from the recorded one: never served again
     nondeterministic: int = 0
     off_tree: int = 0  # episodes that went on without the cache after such a difference

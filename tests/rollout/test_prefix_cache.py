@@ -121,7 +121,9 @@ SLOW_APPEND = "sleep 0.5; " + APPEND
 
 @pytest.mark.parametrize("restore_s, replays, restores", [(0.001, 0, 2), (30.0, 2, 0)])
 def test_replay_or_restore_follows_the_recorded_costs(tmp_path, restore_s, replays, restores):
-    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, overlap=False)
+    # room for the snapshots in the budget: time alone decides (a restore that would copy
+    # more page images than the budget is declined: test_a_cold_snapshot_is_not_restored...)
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, overlap=False, memory_budget=1 << 30)
     env = cache.wrap(gym.make("Bunshin-Shell-v0"))
     try:
         env.reset(options={"task": "shell/make-dir"})
@@ -201,6 +203,62 @@ def test_the_cheapest_start_counts_restores_replays_and_a_lazy_fork(tmp_path):
     cache.residency.add(a, 1 << 20)  # the snapshot is resident now: a hot restore
     assert cache.start_cost(path, live=0) == (pytest.approx(hot + 0.5), 1)
     assert cache.start_cost(path, live=1) == (pytest.approx(0.5), 1)  # the live workspace is there
+
+
+def test_a_restore_that_would_copy_more_page_images_than_the_budget_is_replayed_instead(tmp_path):
+    from bunshin_gym.rollout.prefix_cache import Node
+
+    cache = PrefixCache(tmp_path / "cache", memory_budget=10 << 20)
+    root = Node("", None, 0)
+    a = Node("a", "a", 1, parent=root, duration=2.0, snapshot="snap-a")
+    b = Node("b", "b", 2, parent=a, duration=2.0)
+    path = [root, a, b]
+    cold = cache.stats.restore_cost(False)
+    copies = {"snap-a": 30 << 20}  # what restoring snap-a would copy onto the tmpfs
+    # the quickest start is the restore, but its copy exceeds the budget: the calls are
+    # replayed from the live workspace (its page images are mapped already)
+    assert cache.start_cost(path, live=0) == (pytest.approx(cold + 2.0), 1)
+    assert cache.start_cost(path, live=0, restore_bytes=lambda n: copies[n.snapshot]) == (pytest.approx(4.0), 0)
+    assert cache.stats.restores_declined == 1
+    copies["snap-a"] = 8 << 20  # fits: the restore competes again
+    assert cache.start_cost(path, live=0, restore_bytes=lambda n: copies[n.snapshot]) == (pytest.approx(cold + 2.0), 1)
+    copies["snap-a"] = 0  # its copy is there (a hot snapshot keeps it): nothing to add
+    cache.residency.fixed = 0
+    assert cache.start_cost(path, live=0, restore_bytes=lambda n: copies[n.snapshot])[1] == 1
+    assert cache.stats.restores_declined == 1
+
+
+def test_a_cold_snapshot_is_not_restored_beyond_the_budget_and_a_hot_one_restores_from_its_kept_copy(tmp_path):
+    from bunshin_gym.rollout.residency import copy_bytes
+    from bunshin_gym.workspace import uffd
+
+    slow = "sleep 1; " + APPEND  # replaying a call costs more than a restore is assumed to
+    # (budget, replays, restores): after each hit the live workspace catches up (overlap off: at once)
+    for budget, replays, restores in ((0, 2, 0), (1 << 30, 0, 2)):
+        cache = PrefixCache(tmp_path / f"cache-{budget}", snapshot_every=1, overlap=False, memory_budget=budget)
+        env = cache.wrap(gym.make("Bunshin-Shell-v0", memory_mode="share"))
+        try:
+            env.reset(options={"task": "shell/make-dir"})
+            env.step(slow)
+            env.step(slow)
+            nodes = env.node.path()[1:]
+            # resident (room for them): their copies were made and are kept; spilled: none is there
+            assert [uffd.has_image_copy(n.snapshot) for n in nodes] == [bool(budget)] * 2
+            assert [copy_bytes(n.snapshot) == 0 for n in nodes] == [bool(budget)] * 2
+            before = cache.stats.replays, cache.stats.restores
+            env.reset(options={"task": "shell/make-dir"})
+            for _ in range(2):
+                assert env.step(slow)[4]["cache"] == "hit"
+            obs, _, _, _, info = env.step("cat /home/user/calls.txt")
+            assert info["cache"] == "miss" and obs["output"] == "x\nx\n"
+            assert (cache.stats.replays - before[0], cache.stats.restores - before[1]) == (replays, restores)
+            # spilled: each restore was the quickest start, but would have copied its images
+            assert cache.stats.restores_declined == (0 if budget else 2)
+            assert cache.stats.restores_hot == restores
+        finally:
+            env.close()
+            cache.clear()
+        assert not any(uffd.has_image_copy(n.snapshot) for n in nodes)  # deleted with the cache, copies too
 
 
 def test_an_unmeasured_cold_restore_is_never_assumed_cheaper_than_a_measured_hot_one(tmp_path):
