@@ -6,8 +6,10 @@ Written as the attacks:
   still be a normal pipe that can be enlarged (else its programs see one-page pipes, and a fork
   of a workspace with an enlarged pipe fails in CRIU);
 - a workspace queues signals, or makes POSIX message queues, until its own limit refuses; a
-  sibling (fresh, or a clone restored by CRIU) must still queue a signal and make a queue.
-  Both fail today (SHARED_WITH_SIBLINGS, a strict xfail).
+  sibling (fresh, or a clone restored by CRIU) must still queue a signal and make a queue. The
+  kernel charges both to the owner of the user namespace too, capped by the owner's limits;
+  every workspace's namespace was owned by host root (bunshin-init.c namespace_owner, and
+  criu/patches/0019 for clones, give each its own).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ else:
 """
 
 
+#: prints PR_GET_SECUREBITS of a command the agent starts (inherited from PID 1 down)
+SECUREBITS = "import ctypes; print(ctypes.CDLL(None).prctl(27, 0, 0, 0, 0))"
+
+
 def _limits(text: str) -> list[str]:
     return [line for line in text.splitlines() if "pending signals" in line or "msgqueue" in line
             or "locked memory" in line]
@@ -119,21 +125,8 @@ def _take_one(ws: Workspace, kind: str) -> str:
     return out.text.strip()
 
 
-#: a known gap, kept as the attack it is: the kernel charges a user namespace's pending signals
-#: and message-queue bytes to its creator too, capped by the creator's RLIMIT_SIGPENDING and
-#: RLIMIT_MSGQUEUE when the namespace was made (kernel/ucount.c, inc_rlimit_ucounts),
-#: and every workspace's namespace is made by host root (the launcher, or CRIU for a clone).
-#: Lifting the limit around the namespace's creation needs CAP_SYS_RESOURCE, which this
-#: machine's root lacks; the fix that works without it is a distinct creator uid per workspace
-#: (bunshin-init launch, and a CRIU patch for restores). Strict: the test fails once fixed.
-SHARED_WITH_SIBLINGS = pytest.mark.xfail(
-    strict=True, reason="charged to host root, the creator of every workspace's user namespace "
-    "(see SHARED_WITH_SIBLINGS)")
-
-
-@pytest.mark.parametrize("kind, own_limit_error", [
-    pytest.param("signals", "Resource temporarily unavailable", marks=SHARED_WITH_SIBLINGS),
-    pytest.param("mqueue", "Too many open files", marks=SHARED_WITH_SIBLINGS)])
+@pytest.mark.parametrize("kind, own_limit_error", [("signals", "Resource temporarily unavailable"),
+                                                   ("mqueue", "Too many open files")])
 @pytest.mark.parametrize("forked", [False, True], ids=["fresh", "clones"])
 def test_a_workspace_holding_its_signal_or_queue_allowance_leaves_a_siblings_as_it_is(kind, own_limit_error,
                                                                                      forked):
@@ -150,6 +143,9 @@ def test_a_workspace_holding_its_signal_or_queue_allowance_leaves_a_siblings_as_
         # creator had them lifted)
         for ws in pair:
             assert _limits(ws.exec("cat /proc/self/limits").text) == _limits(open("/proc/self/limits").read())
+            # made under another owner, with capabilities kept across its uid for that moment
+            # only: a workspace's processes drop capabilities on setuid as before
+            assert ws.exec(["python3", "-c", SECUREBITS]).text.split() == ["0"]
         held, _, why = _hold_account(hog, kind).partition(" ")
         # the hog's own limit stopped it: each workspace keeps its cap
         assert int(held) > 0 and why == own_limit_error, (held, why)

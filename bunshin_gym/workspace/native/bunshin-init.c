@@ -34,6 +34,7 @@
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <linux/securebits.h>
 #include <net/if.h>
 #include <sched.h>
 #include <signal.h>
@@ -284,6 +285,49 @@ static void setup_root(const char *root, const char *hostname, int in_userns)
 	}
 }
 
+/*
+ * The owner of a workspace's user namespace, outside. The kernel charges what a namespace's
+ * users hold of some per-user accounts (pending signals, POSIX message-queue bytes, SHM_LOCK-ed
+ * memory) to its owner too, capped by the owner's limits when it was made (kernel/ucount.c,
+ * inc_rlimit_ucounts). Made by host root, every workspace shared root's account with all the
+ * others: one that queued its allowance of signals left each sibling's sigqueue() failing.
+ * Each namespace is therefore made under an owner uid of its own, derived from the workspace's
+ * cgroup (unique among live ones; OWNER_BASE is far above the workspaces' id ranges and runs
+ * nothing on the host). Only the effective uid changes, for the unshare, capabilities kept.
+ */
+#define OWNER_BASE 0x40000000u
+#define OWNER_SPAN 0x3fffffffu
+
+static uid_t namespace_owner(const char *procs_file)
+{
+	char dir[4096];
+	char *slash;
+	struct stat st;
+
+	if (snprintf(dir, sizeof(dir), "%s", procs_file) >= (int)sizeof(dir) || !(slash = strrchr(dir, '/')))
+		fail("cgroup procs file %s", procs_file);
+	*slash = 0;
+	if (stat(dir, &st))
+		fail("stat %s", dir);
+	return OWNER_BASE + (uid_t)(st.st_ino % OWNER_SPAN);
+}
+
+static void unshare_user_as(uid_t owner)
+{
+	int bits = prctl(PR_GET_SECUREBITS);
+
+	if (bits < 0 || prctl(PR_SET_SECUREBITS, bits | SECBIT_NO_SETUID_FIXUP))
+		fail("PR_SET_SECUREBITS");
+	if (setresuid(-1, owner, -1))
+		fail("becoming the namespace's owner %u", owner);
+	if (unshare(CLONE_NEWUSER))
+		fail("unshare(CLONE_NEWUSER)");
+	/* inherited by every process of the workspace: back as they were (CAP_SETPCAP is ours in
+	 * the new namespace) */
+	if (prctl(PR_SET_SECUREBITS, bits))
+		fail("PR_SET_SECUREBITS");
+}
+
 static int restore(int argc, char **argv)
 {
 	char opts[4096];
@@ -312,6 +356,14 @@ static int restore(int argc, char **argv)
 	mountx("overlay", argv[2], "overlay", MS_NODEV, opts);
 	if (!strcmp(argv[6], "1") && prctl(67 /* PR_SET_MEMORY_MERGE */, 1, 0, 0, 0))
 		fail("PR_SET_MEMORY_MERGE");
+	/* CRIU makes the clone's user namespace (criu/patches/0019): under an owner of its own */
+	if (sep > 7) {
+		char owner[16];
+
+		snprintf(owner, sizeof(owner), "%u", namespace_owner(argv[7]));
+		if (setenv("CRIU_USERNS_OWNER", owner, 1))
+			fail("setenv");
+	}
 	execv(argv[sep + 1], argv + sep + 1);
 	fail("exec %s", argv[sep + 1]);
 	return 1;
@@ -405,8 +457,7 @@ static int launch(int argc, char **argv)
 
 		err_fd = errp[1];
 		if (userns) {
-			if (unshare(CLONE_NEWUSER))
-				fail("unshare(CLONE_NEWUSER)");
+			unshare_user_as(argc > 9 ? namespace_owner(argv[9]) : 0);
 			if (write(up[1], "u", 1) != 1)
 				fail("signalling the launcher");
 			wait_byte(down[0], "the id maps");
