@@ -14,9 +14,11 @@ value is replaced by ``{"__ndarray__": i, "dtype", "shape", "codec"}`` naming bl
   client's ``base``): see :mod:`bunshin_gym.serve.frames`;
 - where the env knows what was drawn between the client's array and the new one (a desktop's
   X damage, ``damage=``), ``zstd-rects``: the pixels of the rectangles ``rects`` ([x, y, w, h]
-  on axes 1 and 0), back to back, replaced in ``base``; nothing is compared. Its digest is
+  on axes 1 and 0), back to back, replaced in ``base``; nothing is compared. One such array
+  in :data:`~bunshin_gym.serve.frames.CHECK_EVERY` has ``digest_follows``: its digest is
   computed after the answer went out (:meth:`~bunshin_gym.serve.frames.FrameStore.settle`)
-  and checked one answer late: a later answer against that base carries it as ``base_digest``.
+  and a later answer against it as a base carries it as ``base_digest``, which the client
+  checks.
 
 Bytes values travel as blobs too. Spaces travel as JSON descriptions (:func:`space_to_json`).
 """
@@ -112,7 +114,7 @@ class _Encoder:
               rects: list[tuple[int, int, int, int]]) -> dict | None:
         """``a`` as the client's ``base`` with ``rects`` replaced (the env's word for what
         changed: nothing is compared); None when they cover too much of it to be worth it."""
-        checked = {"base_digest": base_digest} if base_digest is not None else {}
+        checked = {"base_digest": base_digest} if base_digest else {}
         if not rects:
             # the same pixels in a later array: that array is the base from now on (the env's
             # damage is known from it onwards)
@@ -122,8 +124,10 @@ class _Encoder:
             return None
         pixels = np.concatenate([a[y:y + h, x:x + w].reshape(-1) for x, y, w, h in rects])
         data = _zstd()[0].compress(frames.byte_view(pixels))
+        fid, check = self.store.put_drawn(a)
         return {"__ndarray__": self.blob(data), **head, "codec": "zstd-rects", "base": base_id,
-                "rects": [list(r) for r in rects], "id": self.store.put(a, None), **checked}
+                "rects": [list(r) for r in rects], "id": fid, **({"digest_follows": True} if check else {}),
+                **checked}
 
     def lower(self, value: Any, place: str) -> Any:
         if isinstance(value, np.ndarray):
@@ -146,6 +150,7 @@ class _Decoder:
         self.blobs = blobs
         self.held = held
         self.received: dict[str, tuple[str, np.ndarray]] = {}
+        self.to_check: set[str] = set()  # ids of received arrays whose digest will follow
 
     def array(self, ref: dict, place: str) -> np.ndarray:
         try:
@@ -183,6 +188,8 @@ class _Decoder:
             if kind not in ("same", "zstd-rects") and frames.digest(a) != ref["digest"]:
                 raise FrameError(f"{place}: the rebuilt array is not the server's (digest mismatch)")
             self.received[place] = (ref["id"], a)
+            if ref.get("digest_follows"):
+                self.to_check.add(ref["id"])
         return a
 
     def _writable_copy(self, base: np.ndarray, ref: dict, place: str) -> np.ndarray:
@@ -273,7 +280,7 @@ def decode(data: bytes | memoryview, held: frames.HeldFrames | None = None) -> A
     dec = _Decoder(blobs, held)
     value = dec.raise_(header["value"], "")
     if held is not None:
-        held.update(dec.received)
+        held.update(dec.received, dec.to_check)
     return value
 
 

@@ -191,13 +191,14 @@ HOT_CALLS: dict[str, Callable[[EnvLease, dict], Callable[[], tuple[bytes, float]
 
 
 async def run_hot(lease: EnvLease, work: Callable[[], tuple[bytes, float]]) -> tuple[bytes, float]:
-    """A hot call's work on the env's thread; then, off the answer's path, the digests of the
-    arrays it sent without one (:meth:`~bunshin_gym.serve.frames.FrameStore.settle`)."""
+    """A hot call's work on the env's thread; then, off the answer's path, the digest of an
+    array it sent to be checked (:meth:`~bunshin_gym.serve.frames.FrameStore.settle`)."""
     out = await lease.run(work)
-    try:
-        lease.runner.submit(lease.frames.settle)
-    except RuntimeError:  # the env was closed meanwhile
-        pass
+    if lease.frames.pending():
+        try:
+            lease.runner.submit(lease.frames.settle)
+        except RuntimeError:  # the env was closed meanwhile
+            pass
     return out
 
 

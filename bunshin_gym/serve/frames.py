@@ -15,11 +15,14 @@ earlier but no longer returns, to exactly the new content, is not (no bunshin en
 its arrays at all).
 
 Where the env knows what it drew between two arrays (a desktop's X damage), the server
-sends those rectangles without comparing anything, and the new array's digest is computed
-after the answer went out (:meth:`FrameStore.settle`) and checked by the client one answer
-late (:meth:`HeldFrames.check`). A client that can do work while it waits for an answer
-(the env channel) makes its writable copy of the base and the digest of an array it has not
-checked yet meanwhile (:meth:`HeldFrames.prepare`).
+sends those rectangles without comparing anything. One such array in :data:`CHECK_EVERY`
+is checked: its digest is computed after the answer went out (:meth:`FrameStore.settle`)
+and compared by the client one answer late (:meth:`HeldFrames.check`). A difference stays
+in every later array built on the wrong one, so it is found within that many answers; a
+digest of every array cost ~0.4-0.8 ms at each end, measured, as much as everything else
+the server adds to a desktop step. A client that can do work while it waits for an answer
+(the env channel) makes its writable copy of the base, and the digest of an array to be
+checked, meanwhile (:meth:`HeldFrames.prepare`).
 
 Nothing depends on which answers the client saw: it states its base in each request, so a
 lost answer, a second client of the same env or a clone (whose store starts as a copy of
@@ -54,6 +57,10 @@ MIN_BYTES = 1 << 16
 KEEP = 3
 #: a delta is worth it while at most this share of the rows changed
 MAX_CHANGED_SHARE = 0.5
+#: one array sent as drawn rectangles in this many is checked by digest (see the module doc)
+CHECK_EVERY = 8
+#: the digest of an array that is not checked
+UNCHECKED = ""
 #: ids are unique within a server process: a prefix per process, then a counter
 _PREFIX = secrets.token_hex(4)
 _counter = itertools.count(1)
@@ -134,6 +141,7 @@ class FrameStore:
         self.keep = keep
         self._lock = threading.Lock()
         self._frames: OrderedDict[str, tuple[np.ndarray, str | None]] = OrderedDict()
+        self._drawn = 0  # arrays sent as drawn rectangles
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -147,6 +155,19 @@ class FrameStore:
             while len(self._frames) > self.keep:
                 self._frames.popitem(last=False)
         return fid
+
+    def put_drawn(self, a: np.ndarray) -> tuple[str, bool]:
+        """Keep ``a``, sent as rectangles drawn on its base; returns its id and whether it is
+        one to check (its digest then follows, by :meth:`settle`)."""
+        with self._lock:
+            self._drawn += 1
+            check = self._drawn % CHECK_EVERY == 1
+        return self.put(a, None if check else UNCHECKED), check
+
+    def pending(self) -> bool:
+        """Whether a digest is still to be computed (:meth:`settle` has work)."""
+        with self._lock:
+            return any(d is None for _, d in self._frames.values())
 
     def rebase(self, fid: str, a: np.ndarray) -> None:
         """``fid`` is now ``a``, an array with the same bytes (a later screenshot of an
@@ -183,7 +204,7 @@ class FrameStore:
         if entry is None:
             return False
         now = digest(entry[0])
-        if entry[1] is None:  # not settled yet: what it is now is what was sent
+        if not entry[1]:  # not settled yet, or unchecked: what it is now is what was sent
             with self._lock:
                 if fid in self._frames:
                     self._frames[fid] = (entry[0], now)
@@ -200,6 +221,7 @@ class FrameStore:
         other = FrameStore(self.keep)
         with self._lock:
             other._frames = OrderedDict(self._frames)
+            other._drawn = self._drawn
         return other
 
     def clear(self) -> None:
@@ -218,6 +240,8 @@ class HeldFrames:
         self._digests: dict[str, str] = dict(digests or {})
         #: writable copies of held arrays, by place: (id, copy), for the next delta to patch
         self._spares: dict[str, tuple[str, np.ndarray]] = {}
+        #: ids of held arrays whose digest the server will send (arrays to check)
+        self._to_check: set[str] = set()
 
     def ids(self) -> dict[str, str]:
         """What a request names as its bases: {place: id}."""
@@ -226,10 +250,12 @@ class HeldFrames:
     def get(self, place: str) -> tuple[str, np.ndarray] | None:
         return self._held.get(place)
 
-    def update(self, received: dict[str, tuple[str, np.ndarray]]) -> None:
+    def update(self, received: dict[str, tuple[str, np.ndarray]], to_check: set[str] = frozenset()) -> None:
+        """The arrays of an answer, by place; ``to_check``: those whose digest will follow."""
         self._held.update(received)
         ids = {fid for fid, _ in self._held.values()}
         self._digests = {fid: d for fid, d in self._digests.items() if fid in ids}
+        self._to_check = (self._to_check | set(to_check)) & ids
 
     def prepare(self) -> None:
         """Work done while an answer is awaited: a writable copy of each held array (what a
@@ -239,7 +265,7 @@ class HeldFrames:
             spare = self._spares.get(place)
             if spare is None or spare[0] != fid:
                 self._spares[place] = (fid, a.copy())
-            if fid not in self._digests:
+            if fid in self._to_check and fid not in self._digests:
                 self._digests[fid] = digest(a)
 
     def take_spare(self, place: str, fid: str) -> np.ndarray | None:
@@ -264,8 +290,11 @@ class HeldFrames:
         self._held.clear()
         self._spares.clear()
         self._digests.clear()
+        self._to_check.clear()
         return False
 
     def copy(self) -> HeldFrames:
         """For a clone: the same arrays (read-only, so shared safely)."""
-        return HeldFrames(self._held, self._digests)
+        held = HeldFrames(self._held, self._digests)
+        held._to_check = set(self._to_check)
+        return held

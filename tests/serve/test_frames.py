@@ -336,3 +336,41 @@ def test_bad_rectangles_are_an_error_and_change_nothing(rects, why):
     with pytest.raises(codec.FrameError, match=why):
         received(codec.MAGIC + struct.pack(">I", len(h)) + h + data[8 + n:], held)
     assert held.get(SHOT)[1] is got
+
+
+def _flip_a_pixel(data: bytes) -> bytes:
+    """The same answer with one value of its rectangles' pixels changed."""
+    (n,) = struct.unpack(">I", data[4:8])
+    blob = bytearray(codec._zstd()[1].decompress(data[8 + n:]))
+    blob[0] ^= 1
+    blob = codec._zstd()[0].compress(bytes(blob))
+    body = header(data)
+    body["_blobs"] = [len(blob)]
+    h = json.dumps(body).encode()
+    return codec.MAGIC + struct.pack(">I", len(h)) + h + blob
+
+
+def test_one_drawn_array_in_check_every_is_checked_and_a_wrong_one_is_found_within_that_many():
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    a = drawn.returned(screen(), [(0, 0, 1920, 1080)])
+    received(drawn_answer(a, store, held, drawn), held)
+    follows = []
+    for i in range(2 * frames.CHECK_EVERY):
+        a = a.copy()
+        a[600 + i, 5:9] = i
+        drawn.returned(a, [(5, 600 + i, 4, 1)])
+        data = drawn_answer(a, store, held, drawn)
+        follows.append(bool(ref_of(data).get("digest_follows")))
+        if i == 2:
+            data = _flip_a_pixel(data)  # an unchecked array goes wrong at the client
+        try:
+            received(data, held)
+        except codec.FrameError as e:
+            assert "not the server's" in str(e)
+            break
+        finally:
+            store.settle()
+    else:
+        raise AssertionError("the wrong array was never found")
+    assert follows[0] and not any(follows[1:frames.CHECK_EVERY])
+    assert i <= frames.CHECK_EVERY + 1, f"found only at answer {i}"
