@@ -161,11 +161,14 @@ class Store:
             if not snap.metadata.ephemeral:
                 return
         elif not snap.metadata.ephemeral:
+            if not any(self.users(snap.id).values()):
+                self._remove(snap, reclaim)
+                return
             snap.metadata.ephemeral = True
             on_disk = meta_file.read(snap.path)  # another process may have written it since
             on_disk.ephemeral = True
             meta_file.write(snap.path, on_disk)
-        if not any(self.users(snap.id).values()):
+        if not any(self.users(snap.id).values()):  # the last user may have gone meanwhile
             self._remove(snap, reclaim)
 
     def _remove(self, snap: StoredSnapshot, reclaim: Reclaim) -> None:
