@@ -241,9 +241,9 @@ def memory_figures(trace: list[tuple[float, int]]) -> dict:
 
 # hot and cold restores ---------------------------------------------------------------
 #: the phases of a restore that :func:`measure_restores` times apart: the (module, function)
-#: places each may be found at (the first found is wrapped while it measures). What is left,
-#: "rest", is the checks before, the swap of the workspace's record and the connections after,
-#: and the env's first observation.
+#: places each may be found at (the first found is wrapped while it measures). The env's first
+#: observation after it is timed too ("observe"); what is left, "rest", is the records and
+#: cgroup made before, the swap of the workspace's record and the connections after.
 RESTORE_PHASES = {
     "tmpfs_copy": [("bunshin_gym.workspace.uffd", "prepare_images")],
     "monitor_start": [("bunshin_gym.workspace.uffd", "start")],
@@ -252,16 +252,22 @@ RESTORE_PHASES = {
     "criu_restore": [("bunshin_gym.workspace.forking", "_finish_restore"),
                      ("bunshin_gym.workspace.snapshot", "_finish_restore")],
     "agent_ready": [("bunshin_gym.workspace.client", "AgentClient.wait_ready")],
+    "verify": [("bunshin_gym.workspace.forking", "verify"), ("bunshin_gym.workspace.snapshot", "verify")],
+    # the snapshot the workspace ran from, released (an ephemeral one waits for its users to go)
+    "release_old": [("bunshin_gym.workspace.teardown", "release_snapshot"),
+                    ("bunshin_gym.workspace.snapshot", "release_snapshot")],
 }
 
 
 class _PhaseTimer:
     """Seconds spent in each of :data:`RESTORE_PHASES` while active (the functions wrapped in
-    place, restored on exit; the measurement runs one restore at a time)."""
+    place, restored on exit; the measurement runs one restore at a time), and in the methods
+    of ``also`` ({phase: (object, method name)}: the env's first observation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, also: dict[str, tuple[Any, str]] | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self._saved: list[tuple[Any, str, Any]] = []
+        self._also = also or {}
 
     def __enter__(self) -> _PhaseTimer:
         import importlib
@@ -281,6 +287,10 @@ class _PhaseTimer:
                 break
             else:
                 log.warning("bench epoch: the restore phase %s was not found; it counts in 'rest'", phase)
+        for phase, (owner, attr) in self._also.items():
+            fn = getattr(owner, attr)
+            self._saved.append((owner, attr, None))  # an instance attribute shadowing the method
+            setattr(owner, attr, self._timed(phase, fn))
         return self
 
     def _timed(self, phase: str, fn: Callable) -> Callable:
@@ -294,7 +304,10 @@ class _PhaseTimer:
 
     def __exit__(self, *exc: Any) -> None:
         for owner, attr, fn in reversed(self._saved):
-            setattr(owner, attr, fn)
+            if fn is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, fn)
 
 
 def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
@@ -346,7 +359,7 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
                         while uffd.has_image_copy(snap.id) and time.monotonic() < deadline:
                             uffd.release_images(snap_id=snap.id)
                             time.sleep(0.1)
-                    with _PhaseTimer() as phase:
+                    with _PhaseTimer({"observe": (base, "observe")}) as phase:
                         t0 = time.perf_counter()
                         base.rollback(snap)
                         base.workspace  # noqa: B018 - as the cache's restore: the workspace runs
@@ -371,7 +384,7 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
 
 
 def _median_phases(rows: list[dict]) -> dict:
-    names = [*RESTORE_PHASES, "rest"]
+    names = [*RESTORE_PHASES, "observe", "rest"]
     return {n: round(statistics.median(r.get(n, 0.0) for r in rows), 3) for n in names} if rows else {}
 
 

@@ -13,8 +13,10 @@ workspace right after it.
   recorded. To get there the cache starts from the cheapest of: the live workspace (if it
   is on the path), a snapshot on the path, or the episode's start; then it replays the
   calls in between. The cost of a start is its restore (the measured mean of hot restores,
-  snapshot images resident in memory, or of cold ones, read back from disk) plus the
-  recorded durations of the calls it has to replay.
+  snapshot images resident in memory with their tmpfs copy kept, or of cold ones, read back
+  from disk and copied again) plus the recorded durations of the calls it has to replay. A
+  restore whose tmpfs copy would exceed the cache's memory budget does not compete: that
+  copy, mapped by one clone, would be memory the run holds twice.
 
 Replays are checked: a replayed call whose observation differs from the one recorded
 (:func:`~bunshin_gym.rollout.observation.same_observation`) is not deterministic. The cache

@@ -180,7 +180,8 @@ def keep_copy(snap_id: str, *, make: bool = False) -> bool:
         except SnapshotError:
             return False
         uffd.prepare_images(snap.id, snap.criu_dir)
-    return uffd.keep_images(snap_id)
+    # a stat first: most touches find no copy (copy-mode runs) or one kept already
+    return uffd.has_image_copy(snap_id) and uffd.keep_images(snap_id)
 
 
 def copy_bytes(snap_id: str) -> int:
