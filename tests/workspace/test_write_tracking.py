@@ -71,14 +71,14 @@ def _bad(res: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in res.items() if v and k != "rounds"}
 
 
-def _start(ws: Workspace) -> tuple[int, int]:
+def _start(ws: Workspace) -> tuple[int, int, int]:
     ws.write_file(PROG, _compiled(), mode=0o755)
     ws.exec(["mkdir", "-p", DIR])
     # no rseq: the kernel rewrites a registered rseq area (cpu id) whenever the task moves to
     # another CPU, which a restored clone does; the page-by-page comparison would see that
     ws.spawn([PROG, str(MB), DIR], log="/tmp/wpdelta.log", env={"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
-    main, helper = _wait_file(ws, f"{DIR}/ready").split()
-    return int(main), int(helper)
+    main, helper, sparse = _wait_file(ws, f"{DIR}/ready").split()
+    return int(main), int(helper), int(sparse)
 
 
 def _vpid(host_pid: int) -> int:
@@ -143,6 +143,12 @@ def _pages(criu_dir: Path, vpid: int) -> tuple[int, int]:
     return (sum(n for _, n, fl in ents if fl & delta.PE_PRESENT), sum(n for _, n, fl in ents if fl & delta.PE_PARENT))
 
 
+def _pages_in(criu_dir: Path, vpid: int, start: int, end: int) -> int:
+    """Pages of [start, end) a process's pagemap has (dumped or in parent)."""
+    ents = delta.read_pagemap(criu_dir / f"pagemap-{vpid}.img")[2]
+    return sum(max(0, min(end, a + n * 4096) - max(start, a)) for a, n, _ in ents) // 4096
+
+
 def _settled_snapshot(ws: Workspace, vpids: set[int], snaps: list) -> dict[int, dict[int, bytes]]:
     """Snapshot the workspace (appended to ``snaps``) at a moment its processes' memory is the
     same just before and just after (a just-forked child still writes its own pages for a
@@ -192,7 +198,7 @@ def test_delta_of_a_tracked_clone_holds_its_memory_page_by_page(source_mode, clo
     made: list[Workspace] = []
     snaps = []
     try:
-        main, helper = _start(ws)
+        main, helper, sparse = _start(ws)
         snaps.append(ws.snapshot())
         (clone,) = snaps[0].fork(1, mode=clone_mode)
         made.append(clone)
@@ -214,6 +220,10 @@ def test_delta_of_a_tracked_clone_holds_its_memory_page_by_page(source_mode, clo
             assert in_parent > 0 and in_parent + dumped >= MB * 256 - 40, (dumped, in_parent)
         # the forked child is no process the parent restored: all its pages are dumped
         assert _pages(snaps[1].criu_dir, child)[1] == 0
+        # pages never populated stay out of the images (write-protecting must not fill empty
+        # page-table entries: a dump would take them for swapped pages)
+        in_sparse = _pages_in(snaps[1].criu_dir, main, sparse, sparse + 64 * 4096)
+        assert in_sparse == 32, f"{in_sparse} of the 64 sparse pages (32 ever touched) are in the images"
         for mode in ("copy", "share"):
             (g,) = snaps[1].fork(1, mode=mode)
             made.append(g)
@@ -238,7 +248,7 @@ def test_deltas_under_a_writer_that_keeps_writing():
     made: list[Workspace] = []
     snaps = []
     try:
-        main, _ = _start(ws)
+        main, _, _ = _start(ws)
         snaps.append(ws.snapshot())
         (clone,) = snaps[0].fork(1)
         made.append(clone)
@@ -272,7 +282,7 @@ def test_a_dead_tracker_means_full_dumps_not_stale_pages():
     made: list[Workspace] = []
     snaps = []
     try:
-        main, _ = _start(ws)
+        main, _, _ = _start(ws)
         snaps.append(ws.snapshot())
         (clone,) = snaps[0].fork(1)
         made.append(clone)

@@ -596,12 +596,18 @@ static void handle_msg(struct ctx *c, struct uffd_msg *m)
 }
 
 /* --wp: write-protect the present pages of [s, e) (a registered range); unpopulated pages are
- * left alone (UFFDIO_WRITEPROTECT would fill the range with markers and page tables) */
+ * left alone (UFFDIO_WRITEPROTECT would fill the range with markers and page tables). The scan
+ * is given an output vector on purpose: without one the kernel takes a fast path that
+ * write-protects every pte of a populated page table, empty ones too (as markers, which a dump
+ * then sees as swapped pages: zero pages dumped, and VMAs that held none, such as V8's
+ * PROT_NONE reservations, then get premapped writable at restore and fail with ENOMEM) */
 static int protect_present(int pagemap, unsigned long s, unsigned long e)
 {
+	static struct pm_page_region vec[512];
 	struct pm_scan_arg_ a = { .size = sizeof(a), .flags = PM_SCAN_WP_MATCHING, .start = s, .end = e,
-				  .category_mask = PM_PAGE_IS_WRITTEN,
-				  .category_anyof_mask = PM_PAGE_IS_PRESENT | PM_PAGE_IS_SWAPPED };
+				  .vec = (unsigned long)vec, .vec_len = 512, .category_mask = PM_PAGE_IS_WRITTEN,
+				  .category_anyof_mask = PM_PAGE_IS_PRESENT | PM_PAGE_IS_SWAPPED,
+				  .return_mask = PM_PAGE_IS_PRESENT };
 
 	while (a.start < e) {
 		if (ioctl(pagemap, PAGEMAP_SCAN_, &a) < 0)

@@ -6,8 +6,12 @@
  *   wpdelta MB DIR
  *
  * Maps MB MiB of private anonymous memory R filled with a pattern (about 256 distinct pages, so
- * KSM has pages to merge), and 64 "hot" pages H. Forks a helper Y that overwrites the first
- * 64 pages of its copy of R with its own pattern and waits. Writes DIR/ready ("MAIN Y") and
+ * KSM has pages to merge), 64 "hot" pages H, 64 pages S of which only every other one is
+ * ever touched (the others stay empty in a populated page table), then made PROT_NONE, and a
+ * 32 GiB PROT_NONE reservation right after one touched read-write page (V8's and
+ * PartitionAlloc's layout: a delta restore must not map it writable). Forks a helper Y that
+ * overwrites the first 64 pages of its copy of R with its own pattern and waits. Writes
+ * DIR/ready ("MAIN Y S-ADDRESS") and
  * waits for signals (the test snapshots the source and forks a clone meanwhile):
  *   SIGUSR1  mutate, in the clone: rewrite R[100..110), MADV_DONTNEED R[200..216), move
  *            R[300..308) onto R[400..408) with mremap (fresh zero pages mapped where they were),
@@ -72,7 +76,7 @@ static void put(const char *name, const char *text)
 	rename(t, p);
 }
 
-static unsigned char *R, *H;
+static unsigned char *R, *H, *S;
 static volatile uint64_t *state; /* [0] round, [1] pages of this round written */
 static size_t npages;
 static int mutated;
@@ -226,6 +230,12 @@ int main(int argc, char **argv)
 	if (R == MAP_FAILED || H == MAP_FAILED)
 		return 1;
 	state = (volatile uint64_t *)(H + HOT * PG);
+	S = mmap(NULL, 64 * PG, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (S == MAP_FAILED)
+		return 1;
+	for (int i = 0; i < 64; i += 2)
+		S[i * PG] = 1;
+	mprotect(S, 64 * PG, PROT_NONE);
 	for (size_t i = 0; i < npages * PG; i++)
 		R[i] = pat(i);
 	sigaction(SIGUSR1, &sa, NULL);
@@ -240,7 +250,16 @@ int main(int argc, char **argv)
 		for (;;)
 			pause();
 	}
-	snprintf(buf, sizeof(buf), "%d %d\n", getpid(), helper_y);
+	{ /* not inherited by children (here after the fork, and MADV_DONTFORK for C): CRIU premaps
+	   * an area a child inherits writable, and fails with ENOMEM on 32 GiB, delta or not */
+		unsigned char *res = mmap(NULL, (32UL << 30) + PG, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+		if (res == MAP_FAILED || mprotect(res, PG, PROT_READ | PROT_WRITE) ||
+		    madvise(res, (32UL << 30) + PG, MADV_DONTFORK))
+			return 1;
+		res[0] = 1;
+	}
+	snprintf(buf, sizeof(buf), "%d %d %lu\n", getpid(), helper_y, (unsigned long)S);
 	put("ready", buf);
 	for (;;) {
 		if (want_exit) {
