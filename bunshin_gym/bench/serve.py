@@ -109,7 +109,9 @@ class _OwnThread:
 
 
 def breakdown(parts: list[dict]) -> dict:
-    """Medians (ms) of where a remote step's time went: the env's step in the server
+    """What the server added to each remote step, the step's own time taken away (median
+    ``request - step``, and of ``request / step``: not thrown off by a baseline measured on
+    other steps), and medians (ms) of where a remote step's time went: the env's step in the server
     (``server_step``), encoding the answer there, the rest of the server's time on the
     request (channel only: its ``server_s`` less those two), decoding it here, and the rest
     of the call (the transport and the client; over HTTP also the server's routing and
@@ -122,7 +124,9 @@ def breakdown(parts: list[dict]) -> dict:
     if not parts:
         return {}
     server = [p.get("server_s", p["step_s"] + p["encode_s"]) for p in parts]
-    return {"server_step_ms": med([p["step_s"] for p in parts]),
+    return {"added_ms": med([p["request_s"] - p["step_s"] for p in parts]),
+            "ratio_to_own_step": round(statistics.median(p["request_s"] / p["step_s"] for p in parts), 3),
+            "server_step_ms": med([p["step_s"] for p in parts]),
             "server_encode_ms": med([p["encode_s"] for p in parts]),
             "server_other_ms": med([s - p["step_s"] - p["encode_s"] for s, p in zip(server, parts, strict=True)]),
             "client_decode_ms": med([p["decode_s"] for p in parts]),
@@ -340,9 +344,10 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
         parts = [["channel", *d["remote_breakdown"].values()],
                  ["HTTP", *d["remote_http_breakdown"].values()],
                  ["channel, whole frames", *d["remote_whole_frames_breakdown"].values()]]
-        print("\nwhere a remote desktop step's time went (medians, ms)")
-        print(table(parts, ["", "server step", "server encode", "server other", "client decode",
-                            "transport and client"]))
+        print("\nwhere a remote desktop step's time went (medians, ms; 'added' and 'x own step': the call's "
+              "time less, and over, the same step's time in the server)")
+        print(table(parts, ["", "added", "x own step", "server step", "server encode", "server other",
+                            "client decode", "transport and client"]))
     t = results["throughput"]
     print(f"\n{t['clients']} clients: {t['steps_per_s']} steps/s over {t['seconds']} s, {t['errors']} errors")
     return write("serve", results, json_path)
