@@ -1,4 +1,5 @@
-"""``RemoteEnv``: a bunshin env that runs on a ``bunshin serve`` server, stepped over HTTP.
+"""``RemoteEnv``: a bunshin env that runs on a ``bunshin serve`` server, stepped over its env
+channel (a WebSocket), HTTP for everything else.
 
     >>> env = gym.make("Bunshin-Shell-v0", server="http://127.0.0.1:49982", token="...")
     >>> obs, info = env.reset(options={"task": "shell/count-files"})
