@@ -128,7 +128,9 @@ def breakdown(parts: list[dict]) -> dict:
             "ratio_to_own_step": round(statistics.median(p["request_s"] / p["step_s"] for p in parts), 3),
             "server_step_ms": med([p["step_s"] for p in parts]),
             "server_encode_ms": med([p["encode_s"] for p in parts]),
-            "server_other_ms": med([s - p["step_s"] - p["encode_s"] for s, p in zip(server, parts, strict=True)]),
+            # over HTTP the server does not time the request as a whole: its other time is in the rest
+            "server_other_ms": med([s - p["step_s"] - p["encode_s"] for s, p in zip(server, parts, strict=True)])
+            if all("server_s" in p for p in parts) else None,
             "client_decode_ms": med([p["decode_s"] for p in parts]),
             "transport_and_client_ms": med([p["request_s"] - s - p["decode_s"]
                                             for s, p in zip(server, parts, strict=True)])}
