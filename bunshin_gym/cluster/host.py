@@ -104,7 +104,8 @@ class HostActor:
             for name_ in ("tree.pkl", "log.jsonl"):
                 (cache / name_).unlink(missing_ok=True)
         self.trajlog = TrajectoryLog(cache / "log.jsonl")
-        self.cache = PrefixCache(cache, snapshot_every=snapshot_every, log=self.trajlog)
+        # restores by time alone: a migrated snapshot was sent here so that this host restores from it
+        self.cache = PrefixCache(cache, snapshot_every=snapshot_every, log=self.trajlog, bound_restores=False)
         self.speculation = speculation
         self._lock = threading.Lock()
         self._load = 0  # groups running here

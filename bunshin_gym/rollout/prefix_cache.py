@@ -219,15 +219,19 @@ class PrefixCache(Counted):
             workspaces this process runs (:class:`Residency`), so the cache adds about that much.
         overlap: run replays and snapshots in the background, during the policy's think time.
         log: a trajectory log to record every call in.
+        bound_restores: a restore whose tmpfs copy of page images would exceed the memory
+            budget is declined, its calls replayed (see :meth:`start_cost`); False lets time
+            alone decide (a host that was sent a snapshot so that it restores from it).
     """
 
     def __init__(self, cache_dir: str | Path, *, snapshot_every: int = 2, memory_budget: int | None = None,
-                 overlap: bool = True, log: TrajectoryLog | None = None):
+                 overlap: bool = True, log: TrajectoryLog | None = None, bound_restores: bool = True):
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         self.tree = PrefixTree(cache_dir)
         self.snapshot_every = snapshot_every
         self.overlap = overlap
+        self.bound_restores = bound_restores
         self.log = log
         self.residency = Residency(memory_budget)
         self.stats = CacheStats()
@@ -525,7 +529,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         _inner_call(self.env, "cancel_speculation")
         while True:
             _, start = self.cache.start_cost(path, live, materialized=base.materialized,
-                                             restore_bytes=self._restore_bytes)
+                                             restore_bytes=self._restore_bytes if self.cache.bound_restores else None)
             if start == live:
                 break
             if start == 0:

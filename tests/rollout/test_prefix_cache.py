@@ -233,9 +233,11 @@ def test_a_cold_snapshot_is_not_restored_beyond_the_budget_and_a_hot_one_restore
     from bunshin_gym.workspace import uffd
 
     slow = "sleep 1; " + APPEND  # replaying a call costs more than a restore is assumed to
-    # (budget, replays, restores): after each hit the live workspace catches up (overlap off: at once)
-    for budget, replays, restores in ((0, 2, 0), (1 << 30, 0, 2)):
-        cache = PrefixCache(tmp_path / f"cache-{budget}", snapshot_every=1, overlap=False, memory_budget=budget)
+    # (budget, bounded, replays, restores): after each hit the live workspace catches up (overlap
+    # off: at once); unbounded, time alone decides (a cluster host sent a snapshot to restore)
+    for budget, bounded, replays, restores in ((0, True, 2, 0), (0, False, 0, 2), (1 << 30, True, 0, 2)):
+        cache = PrefixCache(tmp_path / f"cache-{budget}-{bounded}", snapshot_every=1, overlap=False,
+                            memory_budget=budget, bound_restores=bounded)
         env = cache.wrap(gym.make("Bunshin-Shell-v0", memory_mode="share"))
         try:
             env.reset(options={"task": "shell/make-dir"})
@@ -253,8 +255,8 @@ def test_a_cold_snapshot_is_not_restored_beyond_the_budget_and_a_hot_one_restore
             assert info["cache"] == "miss" and obs["output"] == "x\nx\n"
             assert (cache.stats.replays - before[0], cache.stats.restores - before[1]) == (replays, restores)
             # spilled: each restore was the quickest start, but would have copied its images
-            assert cache.stats.restores_declined == (0 if budget else 2)
-            assert cache.stats.restores_hot == restores
+            assert cache.stats.restores_declined == (0 if budget or not bounded else 2)
+            assert cache.stats.restores_hot == (restores if budget else 0)
         finally:
             env.close()
             cache.clear()
