@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bunshin_gym.workspace import AgentError, Workspace, memory, uffd
-from bunshin_gym.workspace.snapshots import delta
+from bunshin_gym.workspace.snapshots import delta, store
 
 HERE = Path(__file__).parent / "uffd_programs"
 DIR = "/tmp/wpd"
@@ -231,6 +231,12 @@ def test_delta_of_a_tracked_clone_holds_its_memory_page_by_page(source_mode, clo
             assert not diffs, f"{mode} clone of the delta differs from the clone: {diffs[:10]} ({len(diffs)})"
             res = _check(g, main)
             assert not _bad(res), f"{mode} clone of the delta: {res}"
+        # made self-contained (as flattening does before its ancestors may go), it still restores the same
+        assert delta.materialize(snaps[1].criu_dir) and not (snaps[1].criu_dir / "parent").exists()
+        store.Store().reseal(snaps[1])  # its images were rewritten: their checksums too
+        (g,) = snaps[1].fork(1, mode="copy")
+        made.append(g)
+        assert not _differences(held, _memory_by_vpid(g, {main, child})), "clone of the materialized delta"
     finally:
         for w in reversed(made):
             w.close()
