@@ -11,47 +11,44 @@ so it fails without write tracking (a full dump) as well as with a wrong delta.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import hashlib
 import os
 import re
 import subprocess
-import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fork_programs import host
 
-from bunshin_gym.workspace import AgentError, Workspace, memory, uffd
+from bunshin_gym.workspace import Workspace, memory, uffd
 from bunshin_gym.workspace.snapshots import delta, store
 
-HERE = Path(__file__).parent / "uffd_programs"
 DIR = "/tmp/wpd"
-PROG = "/opt/wptest/wpdelta"
+PROG = f"{host.DIR}/wpdelta"
 MB = 16
 
 pytestmark = pytest.mark.skipif(uffd.write_tracking_unavailable_reason() is not None,
                                 reason=f"write tracking unavailable: {uffd.write_tracking_unavailable_reason()}")
 
 
-@functools.cache
-def _compiled() -> bytes:
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "wpdelta"
-        subprocess.run(["gcc", "-static", "-O1", "-Wall", "-o", str(out), str(HERE / "wpdelta.c")],
-                       check=True, capture_output=True, text=True)
-        return out.read_bytes()
-
-
-def _wait_file(ws: Workspace, path: str, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return ws.read_file(path).decode()
-        except AgentError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{ws.id}: {path} not there after {timeout}s") from None
-            time.sleep(0.05)
+@contextlib.contextmanager
+def _lab(mode: str) -> Iterator[tuple[Workspace, list[Workspace], list]]:
+    """A source workspace of ``mode`` and lists for the clones and snapshots a test makes; all
+    are closed and deleted afterwards (clones first, snapshots children first)."""
+    ws = Workspace.create("base", memory_mode=mode)
+    made: list[Workspace] = []
+    snaps: list = []
+    try:
+        yield ws, made, snaps
+    finally:
+        for w in reversed(made):
+            w.close()
+        ws.close()
+        for s in reversed(snaps):
+            s.delete()
 
 
 def _signal(ws: Workspace, pid: int, sig: str, answer: str | None = None) -> str:
@@ -59,7 +56,7 @@ def _signal(ws: Workspace, pid: int, sig: str, answer: str | None = None) -> str
         ws.exec(["rm", "-f", f"{DIR}/{answer}"])
     res = ws.exec(["kill", f"-{sig}", str(pid)])
     assert res.ok, f"{ws.id}: kill -{sig} {pid}: {res.stderr.decode()}"
-    return _wait_file(ws, f"{DIR}/{answer}") if answer else ""
+    return host.wait_file(ws, f"{DIR}/{answer}") if answer else ""
 
 
 def _check(ws: Workspace, pid: int) -> dict[str, int]:
@@ -72,13 +69,24 @@ def _bad(res: dict[str, int]) -> dict[str, int]:
 
 
 def _start(ws: Workspace) -> tuple[int, int, int]:
-    ws.write_file(PROG, _compiled(), mode=0o755)
+    host.install(ws, "wpdelta")
     ws.exec(["mkdir", "-p", DIR])
     # no rseq: the kernel rewrites a registered rseq area (cpu id) whenever the task moves to
     # another CPU, which a restored clone does; the page-by-page comparison would see that
     ws.spawn([PROG, str(MB), DIR], log="/tmp/wpdelta.log", env={"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
-    main, helper, sparse = _wait_file(ws, f"{DIR}/ready").split()
+    main, helper, sparse = host.wait_file(ws, f"{DIR}/ready").split()
     return int(main), int(helper), int(sparse)
+
+
+def _mutated_clone(ws: Workspace, made: list[Workspace], snaps: list) -> tuple[int, Workspace]:
+    """Start wpdelta in ``ws``, snapshot it, fork a clone and let the clone mutate its memory;
+    (the program's pid, the clone)."""
+    main, _, _ = _start(ws)
+    snaps.append(ws.snapshot())
+    (clone,) = snaps[0].fork(1)
+    made.append(clone)
+    _signal(clone, main, "USR1", "mutated")
+    return main, clone
 
 
 def _vpid(host_pid: int) -> int:
@@ -194,10 +202,7 @@ def test_delta_of_a_tracked_clone_holds_its_memory_page_by_page(source_mode, clo
     copy-on-write in place of a process of the source (same pid where the pid namespace lets
     it). Its snapshot is a delta holding few pages; clones of it (copy and share) hold, page for
     page, what the clone held."""
-    ws = Workspace.create("base", memory_mode=source_mode)
-    made: list[Workspace] = []
-    snaps = []
-    try:
+    with _lab(source_mode) as (ws, made, snaps):
         main, helper, sparse = _start(ws)
         snaps.append(ws.snapshot())
         (clone,) = snaps[0].fork(1, mode=clone_mode)
@@ -237,12 +242,6 @@ def test_delta_of_a_tracked_clone_holds_its_memory_page_by_page(source_mode, clo
         (g,) = snaps[1].fork(1, mode="copy")
         made.append(g)
         assert not _differences(held, _memory_by_vpid(g, {main, child})), "clone of the materialized delta"
-    finally:
-        for w in reversed(made):
-            w.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
 
 
 def test_deltas_under_a_writer_that_keeps_writing():
@@ -250,15 +249,8 @@ def test_deltas_under_a_writer_that_keeps_writing():
     of the snapshot it was restored from); a clone of each snapshot holds a state the writer
     could have been in (every page of the round in progress up to where the state page says,
     the rest of the previous round) and every untouched page, and writes on from there."""
-    ws = Workspace.create("base", memory_mode="copy")
-    made: list[Workspace] = []
-    snaps = []
-    try:
-        main, _, _ = _start(ws)
-        snaps.append(ws.snapshot())
-        (clone,) = snaps[0].fork(1)
-        made.append(clone)
-        _signal(clone, main, "USR1", "mutated")
+    with _lab("copy") as (ws, made, snaps):
+        main, clone = _mutated_clone(ws, made, snaps)
         _signal(clone, main, "USR2", "writing")
         for _ in range(2):
             time.sleep(0.5)
@@ -273,26 +265,13 @@ def test_deltas_under_a_writer_that_keeps_writing():
             later = _check(g, main)
             assert not _bad(later) and later["rounds"] > first["rounds"], (first, later)
         assert not _bad(_check(clone, main))
-    finally:
-        for w in reversed(made):
-            w.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
 
 
 def test_a_dead_tracker_means_full_dumps_not_stale_pages():
     """The clone's tracker is killed: the clone runs on (it is not stopped), and its next
     snapshot records every page (no delta), which restores with the clone's data."""
-    ws = Workspace.create("base", memory_mode="copy")
-    made: list[Workspace] = []
-    snaps = []
-    try:
-        main, _, _ = _start(ws)
-        snaps.append(ws.snapshot())
-        (clone,) = snaps[0].fork(1)
-        made.append(clone)
-        _signal(clone, main, "USR1", "mutated")
+    with _lab("copy") as (ws, made, snaps):
+        main, clone = _mutated_clone(ws, made, snaps)
         rec = clone._rec
         subprocess.run(["kill", "-KILL", str(rec.uffd.worker)], check=True)
         deadline = time.monotonic() + 10
@@ -306,9 +285,3 @@ def test_a_dead_tracker_means_full_dumps_not_stale_pages():
         (g,) = snaps[1].fork(1)
         made.append(g)
         assert not _bad(_check(g, main))
-    finally:
-        for w in reversed(made):
-            w.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
