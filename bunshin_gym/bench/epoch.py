@@ -325,13 +325,15 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
     turn, hot and cold alternating, so that load drift hits both alike and the one restored
     is never the one the live workspace maps.
 
-    The pool is a loop device over a file without direct I/O, so a cold read comes back
-    through the host's cache of that file when it still holds it, not from the disk itself:
-    on a real disk a cold restore costs more than here."""
+    The pool is a loop device over a file without direct I/O: the host caches that file too,
+    so a cold restore also drops the host's cache of it
+    (:func:`~bunshin_gym.workspace.pool.drop_backing_cache`) and reads from the disk. So do
+    the other reads of the pool that btrfs's cache misses right after (the restored
+    processes' files, faulted in as they run), as after an eviction under memory pressure."""
     import gymnasium as gym
 
     from bunshin_gym.rollout.residency import drop_snapshot, keep_copy, warm_snapshot
-    from bunshin_gym.workspace import uffd
+    from bunshin_gym.workspace import pool, uffd
 
     if len(actions) < 2:
         raise ValueError("measure_restores needs two actions (one per sibling snapshot)")
@@ -360,6 +362,7 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
                         while uffd.has_image_copy(snap.id) and time.monotonic() < deadline:
                             uffd.release_images(snap_id=snap.id)
                             time.sleep(0.1)
+                        pool.drop_backing_cache()  # else the images come back from the host's cache of the pool file
                     with _PhaseTimer({"observe": (base, "observe")}) as phase:
                         t0 = time.perf_counter()
                         base.rollback(snap)

@@ -17,6 +17,7 @@ nothing. Debian 12's btrfs-progs (6.2) cannot enable them, so the ioctls are cal
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -85,6 +86,57 @@ def ensure_pool(p: Paths | None = None, say: Callable[[str], None] = log.info) -
     except SetupError as e:
         log.warning("%s; workspaces will have no disk quota", e)
     return p.pool
+
+
+def drop_backing_cache(p: Paths | None = None) -> int:
+    """Drop the host's page cache of the pool's backing file (after writing back what is
+    dirty), so that a read the pool's own cache misses goes to the disk; returns the bytes
+    of the file that were cached before.
+
+    The pool is a loop device over a file without direct I/O, so every block btrfs reads is
+    cached twice: in btrfs's page cache and in the host's cache of the file. Dropping a
+    file's pages from btrfs's cache alone (``posix_fadvise`` on it) leaves the second copy,
+    and its next read is served from memory, not the disk. What a "restore from disk" costs
+    is measured after this (``bunshin bench epoch``); it slows every other cold read of the
+    pool until its blocks are cached again, so the cache never calls it on its own."""
+    p = p or paths()
+    pool_file = p.pool_file
+    if not pool_file.is_file():
+        return 0  # a block device or nothing: no host page cache of a file to drop
+    fd = os.open(p.pool, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc().syncfs(fd) != 0:  # btrfs's dirty pages into the file (os has no syncfs in 3.11)
+            os.sync()
+    finally:
+        os.close(fd)
+    fd = os.open(pool_file, os.O_RDONLY)
+    try:
+        cached = _cached_bytes(fd, pool_file.stat().st_size)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached
+
+
+def _cached_bytes(fd: int, size: int) -> int:
+    """Bytes of the file at ``fd`` in the page cache (``cachestat``, Linux 6.5+; -1 if not
+    available)."""
+    # struct cachestat_range {u64 off, len}; struct cachestat {u64 nr_cache, nr_dirty, ...}
+    rng = (ctypes.c_uint64 * 2)(0, size)
+    out = (ctypes.c_uint64 * 5)()
+    if _libc().syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        return -1
+    return int(out[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+#: cachestat's number, the same on every architecture but alpha (new syscalls share a table)
+_SYS_CACHESTAT = 451
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def require_pool(p: Paths | None = None) -> Paths:
