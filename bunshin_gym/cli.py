@@ -6,7 +6,7 @@
     bunshin snap ls|rm|flatten          snapshots
     bunshin gc [--all]                  reclaim what crashed processes left
     bunshin bench workspace --json P    benchmarks (also: fork, rollout, epoch, env --env ID, containment,
-                                        soak, serve, cluster, density)
+                                        soak, serve, cluster, density, scaling, train)
     bunshin demo                        start, run, fork: what a workspace can do
     bunshin train [options]             GRPO (TRL) over the envs: the main job
     bunshin serve [--host H] [--port N] [--token-file F]   E2B-compatible sandboxes and envs as a service
@@ -206,6 +206,19 @@ def _cmd_bench(args) -> int:
         if args.json:
             density.plot(doc, args.plot or args.json.rsplit(".", 1)[0] + ".png")
         return 0
+    if args.name == "scaling":
+        from bunshin_gym.bench import epoch, scaling
+
+        scaling.run(args.json, counts=tuple(int(x) for x in (args.counts or "8,16,32,64").split(",")),
+                    group=args.group or 8, modes=tuple((args.modes or ",".join(scaling.MODES)).split(",")),
+                    seed=args.seed, think=epoch.ThinkTime(scale=args.think_scale))
+        return 0
+    if args.name == "train":
+        from bunshin_gym.train import compare
+        from bunshin_gym.train.args import Args
+
+        compare.run(args.json, base=Args(seed=args.seed), runs=tuple((args.modes or "base,full,base").split(",")))
+        return 0
     if args.name == "cluster":
         from bunshin_gym.bench import cluster
 
@@ -293,16 +306,18 @@ def parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="run a benchmark")
     be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve",
-                                        "cluster", "density"])
+                                        "cluster", "density", "scaling", "train"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
     be.add_argument("--image", default=None, help="fork: workspace image (default base)")
-    be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16)")
+    be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16); "
+                                                      "scaling: concurrent rollouts (default 8,16,32,64)")
     be.add_argument("--modes", default=None,
                     help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
                          "epoch: rollout modes (default copy-base,share-base,spec,full); "
                          "density: default share,share+ksm,copy; "
                          "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1); "
-                         "fork: copy-untracked, ksm-untracked: without write tracking (full delta snapshots)")
+                         "fork: copy-untracked, ksm-untracked: without write tracking (full delta snapshots); "
+                         "train: the runs in turn (default base,full,base)")
     be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
@@ -312,7 +327,8 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--tasks", type=int, default=None, help="epoch: number of tasks (default 4)")
     be.add_argument("--quick", action="store_true", help="epoch: smoke-test size (2 tasks, G=2, 2 epochs)")
     be.add_argument("--paper", action="store_true", help="epoch: the paper's size (8 tasks, G=8, 3 epochs)")
-    be.add_argument("--seed", type=int, default=7, help="epoch: seed of the recorded trajectories")
+    be.add_argument("--seed", type=int, default=7,
+                    help="epoch: seed of the recorded trajectories; train: the main job's seed")
     be.add_argument("--think-scale", type=float, default=0.2,
                     help="epoch: factor on the policy's think time (lognormal, median 6 s before scaling)")
     be.add_argument("--parallel", type=int, default=0, help="epoch: groups run at a time (default 0: all of an epoch)")
