@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.config import Limits, Paths, paths
-from bunshin_gym.workspace import forking, hostlimits, idmap, memory, pool, records, teardown
+from bunshin_gym.workspace import forking, hostlimits, idmap, memory, pool, records, spares, teardown
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
 from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
@@ -397,7 +397,9 @@ class Workspace:
         if isinstance(snap, str):
             snap = SnapshotStore(self._p).get(snap)
         old = self._rec.snapshot
-        new = forking.restore_beside(self._rec, snap, self._p)  # the workspace untouched so far
+        # a spare made ahead (prepare_rollback) skips the restore; else the workspace stays
+        # untouched until the restore beside it is up
+        new = spares.take(self._rec, snap.id, self._p) or forking.restore_beside(self._rec, snap, self._p)
         self.disconnect()
         replaced = forking.swap_in(self._rec, new, self._p)
         self._cgroup = Cgroup(self._rec.cgroup)
@@ -405,6 +407,20 @@ class Workspace:
         self._connect()
         if old != snap.id:
             teardown.release_snapshot(old, self._p)
+
+    def prepare_rollback(self, snap: Snapshot | str) -> None:
+        """Restore ``snap`` now, frozen, so that a later :meth:`rollback` to it (of this
+        workspace or another of the same image, memory mode and limits) only thaws and swaps
+        it in (:mod:`~bunshin_gym.workspace.spares`). It holds the memory of a restored clone
+        until taken or discarded (``spares.discard``). This workspace is not touched.
+
+        >>> ws.prepare_rollback(snap)      # off the critical path, e.g. while a policy thinks
+        >>> ws.rollback(snap)              # thaw and swap: no CRIU restore here
+        """
+        self._check_open()
+        if isinstance(snap, str):
+            snap = SnapshotStore(self._p).get(snap)
+        spares.prepare(self._rec, snap, self._p)
 
     @property
     def base_snapshot(self) -> str | None:
@@ -560,12 +576,15 @@ class Snapshot(StoredSnapshot):
         return flatten.flatten_snapshot(self)
 
     def delete(self) -> None:
-        """Delete the snapshot; refused while a clone or a child snapshot uses it."""
+        """Delete the snapshot; refused while a clone or a child snapshot uses it (its
+        spares, restores made ahead for rollbacks, are reclaimed first)."""
+        spares.discard(self.id, self._p)
         teardown.delete_snapshot(self, self._p)
 
     def release(self) -> None:
         """Delete the snapshot now if nothing uses it, else as soon as nothing does (it becomes
-        ephemeral: the last user's close, or ``bunshin gc``, deletes it)."""
+        ephemeral: the last user's close, or ``bunshin gc``, deletes it). Its spares go now."""
+        spares.discard(self.id, self._p)
         teardown.release_snapshot(self, self._p)
 
 
