@@ -11,8 +11,9 @@ It is a ``gymnasium.Env`` with the local envs' ``clone()``, ``snapshot()`` and
 numpy arrays: they travel zstd-compressed (:mod:`bunshin_gym.serve.codec`) and, once the env
 holds a large array (a screenshot), as its changed rows only, or as "unchanged" (the same
 array object comes back; :mod:`bunshin_gym.serve.frames`). Reset, step and rollback go over
-the env's channel, a WebSocket kept open (:mod:`bunshin_gym.remote_channel`; ``channel=False``
-or a server without channels: HTTP, as every other call). The token is ``token=`` or
+the env's channel, kept open (:mod:`bunshin_gym.remote_channel`): on the server's host a Unix
+socket served on the env's own thread, else a WebSocket (``channel="websocket"``: always;
+``channel=False`` or a server without channels: HTTP, as every other call). The token is ``token=`` or
 ``$BUNSHIN_SERVE_TOKEN``. While open, a RemoteEnv tells the server it is alive every third of
 the server's idle timeout; an env whose client is gone is reclaimed by the server once idle.
 """
@@ -34,7 +35,7 @@ import urllib3
 
 from bunshin_gym import config
 from bunshin_gym.errors import BunshinError, ResetNeeded
-from bunshin_gym.remote_channel import Channel, ChannelError, ChannelRefusal
+from bunshin_gym.remote_channel import Channel, ChannelError, ChannelRefusal, ChannelUnavailable, LocalChannel
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.frames import HeldFrames
 
@@ -89,6 +90,19 @@ class _Connection:
                                                 timeout=urllib3.Timeout(connect=timeout, read=timeout))
         self.users = 0
         self.lock = threading.Lock()
+        self._local: str | None | bool = False  # the local channel's socket name; False: not asked yet
+
+    def local_channel(self) -> str | None:
+        """The name of the server's local-channel socket (asked once), or None: a server
+        without one."""
+        if self._local is False:
+            try:
+                name = self.request("GET", "/channel/local")["abstract_socket"]
+            except (RemoteError, KeyError, TypeError) as e:
+                log.info("%s offers no local channel (%s): WebSocket channels", self.server, e)
+                name = None
+            self._local = name if isinstance(name, str) and name else None
+        return self._local
 
     def request(self, method: str, path: str, body: dict | None = None, held: HeldFrames | None = None,
                 timing: dict[str, float] | None = None) -> Any:
@@ -141,20 +155,24 @@ class RemoteEnv(gym.Env):
         ttl: seconds the server keeps the env at most (default: the server's).
         frame_deltas: receive a large array the env already sent as its changes only (default);
             False: whole arrays in every answer.
-        channel: reset, step and rollback over a WebSocket kept open to the env (default);
-            False: over HTTP like every other call.
+        channel: reset, step and rollback over a channel kept open to the env: True (default)
+            a local one (a Unix socket served on the env's own thread) where the server is on
+            this host, else a WebSocket; ``"websocket"``: a WebSocket always; False: over HTTP
+            like every other call.
         **kwargs: the env's own keyword arguments (``task``, ``limits``, ...).
     """
 
     metadata = {"render_modes": []}
 
     def __init__(self, env_id: str, server: str, *, token: str | None = None, timeout: float = 600.0,
-                 ttl: float | None = None, frame_deltas: bool = True, channel: bool = True,
+                 ttl: float | None = None, frame_deltas: bool = True, channel: bool | str = True,
                  _attach: tuple[_Connection, dict] | None = None, _held: HeldFrames | None = None, **kwargs: Any):
         self.env_id = env_id
         self.server = server
+        if channel not in (True, False, "websocket"):
+            raise RemoteError(f'channel must be True, False or "websocket", not {channel!r}')
         #: the env's channel: None until the first hot call opens it, or when not used
-        self._channel: Channel | None = None
+        self._channel: Channel | LocalChannel | None = None
         self._use_channel = channel
         #: the large arrays this handle received last, by place: the bases of the next answer's deltas
         self._held: HeldFrames | None = (_held or HeldFrames()) if frame_deltas else None
@@ -205,13 +223,19 @@ class RemoteEnv(gym.Env):
             body = {**body, "frames": self._held.ids()}
         if self._use_channel:
             if self._channel is None:
-                conn = self._conn
-                self._channel = Channel(conn.server, self.remote_id, conn.token, conn.timeout)
-                weakref.finalize(self, self._channel.close)
+                self._channel = self._new_channel(local=self._use_channel is True)
             t0 = time.perf_counter()
             try:
-                data, server_s, encode_s = self._channel.call(
-                    what, body, self._held.prepare if self._held is not None else None)
+                try:
+                    data, server_s, encode_s = self._channel.call(
+                        what, body, self._held.prepare if self._held is not None else None)
+                except ChannelUnavailable as e:
+                    # not on the server's host (or not in its network namespace): nothing was sent
+                    log.info("%s: %s; a WebSocket channel instead", self.remote_id, e)
+                    self._use_channel = "websocket"
+                    self._channel = self._new_channel(local=False)
+                    data, server_s, encode_s = self._channel.call(
+                        what, body, self._held.prepare if self._held is not None else None)
             except ChannelRefusal as e:
                 if e.status == 409 and e.error == "ResetNeeded":
                     raise ResetNeeded(str(e)) from None  # as the local env raises it
@@ -230,6 +254,17 @@ class RemoteEnv(gym.Env):
                     timing.update(request_s=done - t0, decode_s=done - t1, server_s=server_s, encode_s=encode_s)
                 return value
         return self._conn.request("POST", f"/envs/{self.remote_id}/{what}", body, self._held, timing)
+
+    def _new_channel(self, local: bool) -> Channel | LocalChannel:
+        conn = self._conn
+        name = conn.local_channel() if local else None
+        channel: Channel | LocalChannel
+        if name is not None:
+            channel = LocalChannel(name, self.remote_id, conn.token, conn.timeout)
+        else:
+            channel = Channel(conn.server, self.remote_id, conn.token, conn.timeout)
+        weakref.finalize(self, channel.close)
+        return channel
 
     def _close_channel(self) -> None:
         if self._channel is not None:
@@ -285,7 +320,7 @@ class RemoteEnv(gym.Env):
 
     @classmethod
     def attach(cls, env_id: str, server: str, remote_id: str, *, token: str | None = None,
-               timeout: float = 600.0, frame_deltas: bool = True, channel: bool = True) -> RemoteEnv:
+               timeout: float = 600.0, frame_deltas: bool = True, channel: bool | str = True) -> RemoteEnv:
         """A handle on env ``remote_id`` already made on ``server`` (by this token's owner),
         e.g. in another process. Its spaces are those of ``env_id``'s local registration."""
         conn = _Connection(server, token, timeout)

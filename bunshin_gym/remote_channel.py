@@ -1,5 +1,7 @@
 """The client end of an env channel (:mod:`bunshin_gym.serve.channel`): one WebSocket to one
-env on a ``bunshin serve`` server, for :class:`~bunshin_gym.remote.RemoteEnv`'s hot calls.
+env on a ``bunshin serve`` server, for :class:`~bunshin_gym.remote.RemoteEnv`'s hot calls;
+or, for a client on the server's host, a Unix socket served on the env's own thread
+(:class:`LocalChannel`, :mod:`bunshin_gym.serve.local_channel`), with the same calls.
 
 It speaks WebSocket through the ``websockets`` package's sans-I/O protocol on a blocking
 socket of its own: no thread, no event loop, and a request's answer is read by the thread
@@ -34,6 +36,7 @@ from websockets.uri import parse_uri
 
 from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve.codec import CHANNEL_TIMING as TIMING
+from bunshin_gym.serve.codec import LOCAL_ANSWER, LOCAL_ERROR, LOCAL_HEADER, LOCAL_JSON, LOCAL_OK
 
 #: the largest answer accepted (a whole 4K RGB frame is 25 MB before compression)
 MAX_MESSAGE = 256 << 20
@@ -205,6 +208,120 @@ class Channel:
         for data in proto.data_to_send():
             if data:
                 sock.sendall(data)
+
+
+class ChannelUnavailable(ChannelError):
+    """A local channel could not be connected to (another host, another network namespace,
+    a server gone): nothing was sent; the WebSocket channel is the way."""
+
+
+class LocalChannel:
+    """An env's local channel (:mod:`bunshin_gym.serve.local_channel`): a Unix socket in the
+    abstract namespace named by the server, for a client on its host; :meth:`call` as
+    :class:`Channel`'s. Blocking I/O on the asking thread, as :class:`Channel`. Thread-safe."""
+
+    def __init__(self, abstract_socket: str, env_id: str, token: str, timeout: float):
+        self._address = "\0" + abstract_socket
+        self._env_id, self._token, self._timeout = env_id, token, timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def _open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(self._timeout)
+            try:
+                sock.connect(self._address)
+            except OSError as e:
+                raise ChannelUnavailable(f"the server's local channel could not be reached: {e}") from None
+            hello = json.dumps({"token": self._token, "env": self._env_id}).encode()
+            try:
+                _send(sock, LOCAL_JSON, hello)
+                kind, data = _receive(sock, 1 << 16)
+            except (OSError, EOFError, ChannelError) as e:
+                raise ChannelError(f"the local channel could not be opened: {e}") from None
+            if kind == LOCAL_ERROR:
+                error = json.loads(data)
+                raise ChannelError(error.get("message") or "the local channel was refused", error.get("status"))
+            if kind != LOCAL_OK:
+                raise ChannelError(f"the local channel answered its hello with a message of kind {kind}")
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def close(self) -> None:
+        """Close the channel (the env stays)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _alive(self) -> bool:
+        """Whether the open channel is still usable: the server sends nothing unasked, so a
+        readable socket means it closed the channel (idle, or gone)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            return not select.select([sock], [], [], 0)[0]
+        except (OSError, ValueError):
+            return False
+
+    def call(self, op: str, body: dict, meanwhile: Callable[[], Any] | None = None) -> tuple[memoryview, float, float]:
+        """As :meth:`Channel.call`: the answer's frame, the server's seconds on it, its
+        encoding's seconds; :class:`ChannelRefusal` for an error answer, :class:`ChannelBroken`
+        when the channel broke while the request was out (not sent again)."""
+        text = json.dumps({"op": op, **body}, separators=(",", ":"), allow_nan=False)
+        with self._lock:
+            if not self._alive():
+                self._drop()
+                self._open()
+            sock = self._sock
+            try:
+                sock.settimeout(self._timeout)
+                _send(sock, LOCAL_JSON, text.encode())
+                if meanwhile is not None:
+                    meanwhile()
+                kind, data = _receive(sock, MAX_MESSAGE)
+            except (OSError, EOFError, ChannelError) as e:
+                self._drop()
+                raise ChannelBroken(f"the channel broke while the request was out ({e or type(e).__name__}); "
+                                    "it may have run") from None
+        if kind == LOCAL_ERROR:
+            raise ChannelRefusal(json.loads(data))
+        if kind != LOCAL_ANSWER or len(data) < TIMING.size:
+            with self._lock:
+                self._drop()
+            raise ChannelBroken(f"the server answered with a message of kind {kind}; the channel is closed")
+        server_s, encode_s = TIMING.unpack_from(data)
+        return memoryview(data)[TIMING.size:], server_s, encode_s
+
+
+def _send(sock: socket.socket, kind: int, data: bytes) -> None:
+    sock.sendall(LOCAL_HEADER.pack(kind, len(data)) + data)
+
+
+def _receive(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
+    """One message of a local channel (at most ``limit`` bytes, else ChannelError)."""
+    kind, n = LOCAL_HEADER.unpack(_exactly(sock, LOCAL_HEADER.size))
+    if n > limit:
+        raise ChannelError(f"an answer of {n} bytes (at most {limit} are taken)")
+    return kind, _exactly(sock, n)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the server closed the connection")
+        got += k
+    return buf
 
 
 class ChannelRefusal(BunshinError, RuntimeError):

@@ -1,17 +1,20 @@
 """``bunshin bench serve``: what ``bunshin serve`` adds over calling the library in-process.
 
 - shell step latency: the same shell env and action (``true``) in-process, as a RemoteEnv
-  over its env channel (the default: a WebSocket kept open) and as a RemoteEnv over HTTP
-  (``channel=False``, the path before channels), rounds interleaved; the goal is at most
-  5 ms added at the median. The round trips of an authenticated HTTP no-op request and of a
-  channel message the server refuses at once are measured too (what each transport costs);
+  over its env channel (the default: on this host a local channel, a Unix socket served on
+  the env's own thread), over a WebSocket channel (``channel="websocket"``, the default for
+  a client on another host) and over HTTP (``channel=False``, the path before channels),
+  rounds interleaved; the goal is at most 5 ms added at the median. The round trips of an
+  authenticated HTTP no-op request and of a message each channel's server refuses at once
+  are measured too (what each transport costs);
 - desktop step latency: an OSWorld computer_13 step (action + 1920x1080 screenshot)
-  in-process, over the channel (screenshots as the rectangles X says were drawn), over HTTP,
-  and over the channel receiving whole screenshots (``frame_deltas=False``, what deltas
-  save), rounds interleaved; the goal is a remote median at most 1.2x the in-process one.
+  in-process, over the local channel (screenshots as the rectangles X says were drawn), over
+  a WebSocket channel, over HTTP, and over the local channel receiving whole screenshots
+  (``frame_deltas=False``, what deltas save), rounds interleaved; the goal is a remote
+  median at most 1.2x the in-process one.
   Where the remote time goes is measured at both ends: the env's step in the server, the
-  server's encoding of the answer, the rest of the server's time on the request (channel:
-  reading it, the hop to the env's thread and back), the client's decoding, and the rest
+  server's encoding of the answer, the rest of the server's time on the request (channels:
+  parsing it; over a WebSocket also the hop to the env's thread and back), the client's decoding, and the rest
   (the transport and the client);
 - fork of 16: ``Sandbox.fork(count=16)`` through the E2B SDK against ``snapshot().fork(16)``
   of a workspace in-process (one freeze, 16 copies, both);
@@ -136,31 +139,33 @@ def breakdown(parts: list[dict]) -> dict:
                                             for s, p in zip(server, parts, strict=True)])}
 
 
-def _round_trips(remote, n: int) -> tuple[list[float], list[float]]:
-    """Round trips of an authenticated HTTP no-op (a keepalive) and of a channel message the
-    server refuses at once (an unknown op), interleaved."""
+def _round_trips(remote, websocket, n: int) -> tuple[list[float], list[float], list[float]]:
+    """Round trips of an authenticated HTTP no-op (a keepalive) and of a message the server
+    refuses at once (an unknown op) over ``remote``'s channel and ``websocket``'s, interleaved."""
     from bunshin_gym.remote_channel import ChannelRefusal
 
-    http, channel = [], []
+    http, channel, ws = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
         remote._call("POST", "keepalive")
         http.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        try:
-            remote._channel.call("nop", {})
-        except ChannelRefusal:
-            pass
-        channel.append(time.perf_counter() - t0)
-    return http, channel
+        for env, ts in ((remote, channel), (websocket, ws)):
+            t0 = time.perf_counter()
+            try:
+                env._channel.call("nop", {})
+            except ChannelRefusal:
+                pass
+            ts.append(time.perf_counter() - t0)
+    return http, channel, ws
 
 
 def shell_step(server: _Server, steps: int, rounds: int) -> dict:
     local = gym.make("Bunshin-Shell-v0", max_steps=10**6)
     remote = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, max_steps=10**6)
+    ws = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, channel="websocket", max_steps=10**6)
     http = gym.make("Bunshin-Shell-v0", server=server.url, token=server.token, channel=False, max_steps=10**6)
-    envs = (local, remote, http)
-    times: tuple[list[float], ...] = ([], [], [])
+    envs = (local, remote, ws, http)
+    times: tuple[list[float], ...] = ([], [], [], [])
     own = _OwnThread()
     try:
         own(lambda: local.reset(options={"task": SHELL_TASK}))
@@ -172,14 +177,17 @@ def shell_step(server: _Server, steps: int, rounds: int) -> dict:
         for _ in range(rounds):
             for env, ts in zip(envs, times, strict=True):
                 (own if env is local else _call)(_steps, env, actions, ts)
-        floor_http, floor_channel = _round_trips(remote.unwrapped, steps * rounds)
+        floor_http, floor_channel, floor_ws = _round_trips(remote.unwrapped, ws.unwrapped, steps * rounds)
+        channel_kind = type(remote.unwrapped._channel).__name__
     finally:
         for env in envs:
             env.close()
         own.close()
-    out = {"in_process": summary(times[0]), "remote": summary(times[1]), "remote_http": summary(times[2]),
-           "http_round_trip": summary(floor_http), "channel_round_trip": summary(floor_channel)}
+    out = {"in_process": summary(times[0]), "remote": summary(times[1]), "remote_websocket": summary(times[2]),
+           "remote_http": summary(times[3]), "channel": channel_kind, "http_round_trip": summary(floor_http),
+           "channel_round_trip": summary(floor_channel), "websocket_round_trip": summary(floor_ws)}
     out["added_median_ms"] = round(out["remote"]["median_ms"] - out["in_process"]["median_ms"], 3)
+    out["added_median_ms_websocket"] = round(out["remote_websocket"]["median_ms"] - out["in_process"]["median_ms"], 3)
     out["added_median_ms_http"] = round(out["remote_http"]["median_ms"] - out["in_process"]["median_ms"], 3)
     out["goal_added_median_ms"] = 5.0
     return out
@@ -188,8 +196,9 @@ def shell_step(server: _Server, steps: int, rounds: int) -> dict:
 def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
     kwargs = dict(action_space="computer_13", require_a11y_tree=False, max_steps=10**6)
     remote_kw = dict(server=server.url, token=server.token, **kwargs)
-    names = ("in_process", "remote", "remote_http", "remote_whole_frames")
+    names = ("in_process", "remote", "remote_websocket", "remote_http", "remote_whole_frames")
     envs = (gym.make("Bunshin-OSWorld-v0", **kwargs), gym.make("Bunshin-OSWorld-v0", **remote_kw),
+            gym.make("Bunshin-OSWorld-v0", channel="websocket", **remote_kw),
             gym.make("Bunshin-OSWorld-v0", channel=False, **remote_kw),
             gym.make("Bunshin-OSWorld-v0", frame_deltas=False, **remote_kw))
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -216,6 +225,7 @@ def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
         out[f"{name}_breakdown"] = breakdown(parts[name])
     local_ms = out["in_process"]["median_ms"]
     out["ratio_median"] = round(out["remote"]["median_ms"] / local_ms, 3)
+    out["ratio_median_websocket"] = round(out["remote_websocket"]["median_ms"] / local_ms, 3)
     out["ratio_median_http"] = round(out["remote_http"]["median_ms"] / local_ms, 3)
     out["ratio_median_whole_frames"] = round(out["remote_whole_frames"]["median_ms"] / local_ms, 3)
     out["goal_ratio_median"] = 1.2
@@ -326,12 +336,16 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
     sh = results["shell_step"]
     rows = [["shell step", sh["in_process"]["median_ms"], sh["remote"]["median_ms"],
              f"+{sh['added_median_ms']} ms (goal <= 5)"],
+            ["  over a WebSocket", sh["in_process"]["median_ms"], sh["remote_websocket"]["median_ms"],
+             f"+{sh['added_median_ms_websocket']} ms"],
             ["  over HTTP", sh["in_process"]["median_ms"], sh["remote_http"]["median_ms"],
              f"+{sh['added_median_ms_http']} ms"]]
     if desktop:
         d = results["desktop_step"]
         rows.append(["desktop step", d["in_process"]["median_ms"], d["remote"]["median_ms"],
                      f"{d['ratio_median']}x (goal <= 1.2x)"])
+        rows.append(["  over a WebSocket", d["in_process"]["median_ms"], d["remote_websocket"]["median_ms"],
+                     f"{d['ratio_median_websocket']}x"])
         rows.append(["  over HTTP", d["in_process"]["median_ms"], d["remote_http"]["median_ms"],
                      f"{d['ratio_median_http']}x"])
         rows.append(["  whole frames", d["in_process"]["median_ms"], d["remote_whole_frames"]["median_ms"],
@@ -339,13 +353,17 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
     f = results["fork"]
     rows.append([f"fork {fork_n}", f["in_process"]["median_ms"], f["api_e2b_sdk"]["median_ms"],
                  f"{f['ratio_median']}x"])
+    print("load average (1, 5, 15 min): before " + " ".join(f"{x:.2f}" for x in results["load_before"])
+          + ", after " + " ".join(f"{x:.2f}" for x in results["load_after"]))
     print(table(rows, ["median ms", "in-process", "through the server", ""]))
     print(f"\nround trips (median ms): HTTP no-op {sh['http_round_trip']['median_ms']}, "
-          f"channel message {sh['channel_round_trip']['median_ms']}")
+          f"{sh['channel']} message {sh['channel_round_trip']['median_ms']}, "
+          f"WebSocket message {sh['websocket_round_trip']['median_ms']}")
     if desktop:
-        parts = [["channel", *d["remote_breakdown"].values()],
+        parts = [["local channel", *d["remote_breakdown"].values()],
+                 ["WebSocket channel", *d["remote_websocket_breakdown"].values()],
                  ["HTTP", *d["remote_http_breakdown"].values()],
-                 ["channel, whole frames", *d["remote_whole_frames_breakdown"].values()]]
+                 ["local, whole frames", *d["remote_whole_frames_breakdown"].values()]]
         print("\nwhere a remote desktop step's time went (medians, ms; 'added' and 'x own step': the call's "
               "time less, and over, the same step's time in the server)")
         print(table(parts, ["", "added", "x own step", "server step", "server encode", "server other",

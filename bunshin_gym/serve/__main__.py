@@ -24,6 +24,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--domain", default=None,
                     help="domain of sandbox hosts: get_host(port) is PORT-ID.DOMAIN, which must reach this server "
                          "(e.g. localhost:49982 for curl and browsers, which resolve *.localhost; default: the SDK's)")
+    ap.add_argument("--no-local-channel", action="store_true",
+                    help="no env channels on a Unix socket for clients on this host (WebSocket ones only)")
     ap.add_argument("--log-level", default="info")
 
 
@@ -37,7 +39,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     config = ServeConfig(host=args.host, port=args.port, token_file=args.token_file, state_dir=args.state_dir,
                          idle_timeout=args.idle_timeout, env_ttl=args.env_ttl or None, max_timeout=args.max_timeout,
-                         memory_mode=args.memory_mode, domain=args.domain)
+                         memory_mode=args.memory_mode, domain=args.domain,
+                         local_channel=not args.no_local_channel)
     try:
         run(config, log_level=args.log_level.lower(), close_on_exit=args.close_on_exit)
     except TokenFileError as e:

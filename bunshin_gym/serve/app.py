@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from bunshin_gym.config import paths
 from bunshin_gym.errors import BunshinError, ResetNeeded, TaskError
-from bunshin_gym.serve import channel, e2b_api, envd, envs_api, ports, watch
+from bunshin_gym.serve import channel, e2b_api, envd, envs_api, local_channel, ports, watch
 from bunshin_gym.serve.auth import Principal, TokenStore, token_from_headers
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 from bunshin_gym.serve.sandbox import Command, Sandbox
@@ -67,6 +67,9 @@ class ServeConfig:
     threads: int = 128
     #: the domain of sandbox hosts (``get_host(port)`` is PORT-ID.DOMAIN); None: the SDK's own
     domain: str | None = None
+    #: serve env channels on a Unix socket to clients on this host
+    #: (:mod:`bunshin_gym.serve.local_channel`); off: the WebSocket channel only
+    local_channel: bool = True
 
     @property
     def state_path(self) -> Path:
@@ -88,6 +91,8 @@ class Service:
         self._loading = False
         #: the sandboxes' watchers, kept across restarts (:mod:`bunshin_gym.serve.watch`)
         self.watchers = watch.WatcherStore(config.state_path / "watchers")
+        #: the local channels' socket while the server runs (None: none)
+        self.local_channel: local_channel.Listener | None = None
 
     # auth ------------------------------------------------------------------------------
     async def principal(self, request: Request) -> Principal:
@@ -264,8 +269,15 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(config.threads, "bunshin-serve"))
         await asyncio.to_thread(service.load)
         service.registry.start_reaper()
-        yield
-        await asyncio.to_thread(service.shutdown, close_all=close_on_shutdown)
+        if config.local_channel:
+            service.local_channel = local_channel.Listener(service.tokens, service.registry)
+        try:
+            yield
+        finally:
+            if service.local_channel is not None:
+                service.local_channel.stop()
+                service.local_channel = None
+            await asyncio.to_thread(service.shutdown, close_all=close_on_shutdown)
 
     api = FastAPI(title="bunshin serve", lifespan=lifespan)
     api.state.service = service
@@ -309,6 +321,7 @@ def create_app(config: ServeConfig | None = None, *, close_on_shutdown: bool = F
     api.include_router(e2b_api.router(service))
     api.include_router(envs_api.router(service))
     api.include_router(channel.router(service))
+    api.include_router(local_channel.router(service))
     api.include_router(envd.files_router(service.registry))
     rpc = envd.rpc_apps(service.registry, service.watchers)
 

@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket
 from fastapi.responses import JSONResponse
@@ -108,6 +109,15 @@ async def _serve(registry, env_id: str, who, message: dict) -> tuple[bytes, floa
     raw = message.get("text")
     if raw is None:
         raw = message.get("bytes") or b""
+    lease, work = parse_request(registry, env_id, who, raw)
+    return await run_hot(lease, work)
+
+
+def parse_request(registry, env_id: str, who, raw: str | bytes | bytearray
+                  ) -> tuple[EnvLease, Callable[[], tuple[bytes, float]]]:
+    """A channel's request (a JSON object naming its ``op``): the env's lease (touched; 404
+    once closed) and the work that answers it, to run on the env's thread. Shared with the
+    local channel (:mod:`bunshin_gym.serve.local_channel`)."""
     try:
         body = json.loads(raw)
     except ValueError as e:
@@ -119,4 +129,4 @@ async def _serve(registry, env_id: str, who, message: dict) -> tuple[bytes, floa
     if make is None:
         raise ServeError(f"op must be one of {sorted(HOT_CALLS)}, got {op!r}", 400)
     lease = registry.get(env_id, who, kind=EnvLease)  # touches it; 404 once closed
-    return await run_hot(lease, make(lease, body))
+    return lease, make(lease, body)

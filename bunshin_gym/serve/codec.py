@@ -46,6 +46,14 @@ _local = threading.local()  # zstd contexts are not thread-safe: one pair per th
 #: what precedes a frame in an env channel's answer (:mod:`bunshin_gym.serve.channel`): the
 #: server's seconds on the request and its encoding's seconds, big-endian doubles
 CHANNEL_TIMING = struct.Struct(">dd")
+#: a local channel's message (:mod:`bunshin_gym.serve.local_channel`): its kind (one of the
+#: ``LOCAL_*`` below) and its length, then that many bytes
+LOCAL_HEADER = struct.Struct(">BI")
+#: client to server: a JSON object (the hello, then requests)
+LOCAL_JSON = 1
+#: server to client: an answer (``CHANNEL_TIMING`` then a frame); an error (JSON, the HTTP
+#: status and message of the same error); the hello accepted (empty)
+LOCAL_ANSWER, LOCAL_ERROR, LOCAL_OK = 2, 3, 4
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:

@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from bunshin_gym.config import Limits
 from bunshin_gym.registration import CLASSES as ENVS
 from bunshin_gym.serve import codec
 from bunshin_gym.serve.auth import Principal
+from bunshin_gym.serve.env_thread import EnvThread
 from bunshin_gym.serve.frames import FrameStore
 from bunshin_gym.serve.registry import Lease, NotFound, Registry, ServeError, json_object
 
@@ -64,7 +64,8 @@ class EnvLease(Lease):
     #: a screenshot made and freed by whichever pool thread was free came from an arena without
     #: a free chunk of its size, ~1000 page faults (~5 ms, measured) a desktop step; on one
     #: thread its memory is reused, as in-process
-    runner: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "bunshin-env"))
+    #: a thread that also serves the env's local channels (:mod:`bunshin_gym.serve.env_thread`)
+    runner: EnvThread = field(default_factory=EnvThread)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on this env's thread; NotFound once the env is closed."""

@@ -14,6 +14,9 @@ def test_tiny_bench_serve(tmp_path):
     shell = doc["shell_step"]
     assert shell["in_process"]["n"] == shell["remote"]["n"] == 4
     assert shell["remote"]["median_ms"] > 0 and "added_median_ms" in shell
+    # the default channel of a client on the server's host is the local one; the WebSocket one is measured beside it
+    assert shell["channel"] == "LocalChannel" and shell["remote_websocket"]["n"] == 4
+    assert shell["channel_round_trip"]["n"] == shell["websocket_round_trip"]["n"] == 4
     assert doc["fork"]["n"] == 2 and doc["fork"]["api_e2b_sdk"]["median_ms"] > 0
     t = doc["throughput"]
     assert t["errors"] == 0 and t["steps"] > 0 and t["slowest_client_steps"] > 0

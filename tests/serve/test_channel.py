@@ -1,5 +1,6 @@
-"""The env channel (a WebSocket per env handle for reset, step and rollback) against a real
-server and a real shell workspace: the same answers as HTTP, the HTTP API's auth and errors,
+"""The WebSocket env channel (a WebSocket per env handle for reset, step and rollback; what a
+client on another host uses, ``channel="websocket"`` here) against a real server and a real
+shell workspace: the same answers as HTTP, the HTTP API's auth and errors,
 a channel that drops or goes idle, and a server without channels."""
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def fds() -> set[str]:
 
 def test_hot_calls_go_over_the_channel_and_answer_as_http_does(server, opts):
     before_fds, before_threads = fds(), threading.active_count()
-    env = gym.make(ENV, server=server.url, token=ALICE, max_steps=3)
+    env = gym.make(ENV, server=server.url, token=ALICE, max_steps=3, channel="websocket")
     http = RemoteEnv.attach(ENV, server.url, env.unwrapped.remote_id, token=ALICE, channel=False)
     try:
         obs, info = env.reset(options=TASK)
-        assert env.unwrapped._channel is not None and env.unwrapped._channel._sock is not None
+        assert isinstance(env.unwrapped._channel, Channel) and env.unwrapped._channel._sock is not None
         obs, reward, term, trunc, info = env.step("echo over the channel; exit 3")
         assert obs["output"] == "over the channel\n" and obs["exit_code"] == 3 and not term
         assert {"server_s", "encode_s", "decode_s", "request_s", "step_s"} <= set(env.unwrapped.last_step_timing)
@@ -61,7 +62,7 @@ def test_hot_calls_go_over_the_channel_and_answer_as_http_does(server, opts):
 
 
 def test_bad_requests_are_answered_and_the_channel_goes_on(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     try:
         env.reset(options=TASK)
         ch = env._channel
@@ -80,7 +81,7 @@ def test_bad_requests_are_answered_and_the_channel_goes_on(server, opts):
 
 
 def test_a_lone_surrogate_is_the_env_s_to_refuse(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     local = gym.make(ENV)
     try:
         env.reset(options=TASK)
@@ -94,7 +95,7 @@ def test_a_lone_surrogate_is_the_env_s_to_refuse(server, opts):
 
 
 def test_the_channel_has_the_http_api_s_auth(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     try:
         with pytest.raises(ChannelError, match="API key") as e:
             Channel(server.url, env.remote_id, "wrong-token", 10).call("step", {"action": "true"})
@@ -110,7 +111,7 @@ def test_the_channel_has_the_http_api_s_auth(server, opts):
 
 
 def test_a_dropped_channel_is_opened_again_and_a_broken_request_is_not_sent_twice(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     try:
         env.reset(options=TASK)
         env.step("echo 1 >> /tmp/count")
@@ -137,7 +138,7 @@ def test_a_dropped_channel_is_opened_again_and_a_broken_request_is_not_sent_twic
 def test_a_server_without_channels_is_stepped_over_http(server, opts):
     """A channel refused with 403 (what a server without the route answers) falls back to HTTP
     before anything was sent."""
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     try:
         env._channel = Channel(server.url + "/no-channels-here", env.remote_id, ALICE, 10)
         obs, _ = env.reset(options=TASK)
@@ -149,7 +150,7 @@ def test_a_server_without_channels_is_stepped_over_http(server, opts):
 
 
 def test_clones_have_their_own_channels(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE)
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
     clones = []
     try:
         env.reset(options=TASK)

@@ -2,7 +2,8 @@
 drawn), over the env channel or HTTP, and every one the client gets is byte-for-byte the
 server env's own: checked against a second handle on the same env that receives whole
 screenshots, across steps, a lost answer, two clients, a clone, a reset, a rollback and a
-dropped channel."""
+dropped channel; over the local channel (a client on the server's host), a WebSocket channel
+and HTTP."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def wire_ref(server, env: RemoteEnv, action: dict) -> tuple[dict, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("channel", [True, False], ids=["channel", "http"])
+@pytest.mark.parametrize("channel", [True, "websocket", False], ids=["local-channel", "websocket", "http"])
 def test_desktop_screenshots_as_deltas_are_the_env_s_own(server, opts, channel):
     env = gym.make(ENV, server=server.url, token=ALICE, channel=channel, **KW)
     envs, views = [env], []  # envs are closed at the end; views (more handles on them) let go
