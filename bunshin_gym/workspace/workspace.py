@@ -553,9 +553,12 @@ class Snapshot(StoredSnapshot):
         backend = memory.backend(mode)
         forking.check_fork(self, backend)  # before anything is made
         recs = forking.clone_records(self, n, mode, detached=detached, holder=_holder)
-        clones = [Workspace(rec, self._p) for rec in recs]
+        # spares made ahead (prepare_rollback) are clones already restored: taken first
+        spare_of = {} if detached or _holder else self._take_spares(recs)
+        clones = [Workspace(spare_of.get(rec.id, rec), self._p) for rec in recs]
         try:
-            forking.restore_clones(self, recs, backend)
+            if len(spare_of) < n:
+                forking.restore_clones(self, [rec for rec in recs if rec.id not in spare_of], backend)
             for ws in clones:
                 if not _holder:
                     ws._connect()
@@ -574,6 +577,30 @@ class Snapshot(StoredSnapshot):
         """Make this snapshot need no other snapshot: take over the ancestors' page files its
         images name and rewrite the images (:mod:`bunshin_gym.workspace.snapshots.flatten`)."""
         return flatten.flatten_snapshot(self)
+
+    def prepare_spares(self, n: int = 1, *, mode: str | MemoryMode | None = None) -> None:
+        """Restore ``n`` clones now and keep them frozen, so that a later :meth:`fork` (or a
+        rollback to this snapshot) takes them instead of restoring
+        (:mod:`~bunshin_gym.workspace.spares`). Each holds a restored clone's memory until
+        taken or discarded (deleting the snapshot discards them).
+
+        >>> snap.prepare_spares(2)         # off the critical path
+        >>> a, b, c = snap.fork(3)         # a and b were restored already: thawed, c restored
+        """
+        mode = MemoryMode.parse(mode or self.mode)
+        forking.check_fork(self, memory.backend(mode))
+        for template in forking.clone_records(self, n, mode):  # only their image, mode and limits are used
+            spares.prepare(template, self, self._p)
+
+    def _take_spares(self, recs: list[records.Record]) -> dict[str, records.Record]:
+        """Spares of this snapshot that fit these clone records, by the record each replaces."""
+        taken = {}
+        for rec in recs:
+            spare = spares.take(rec, self.id, self._p)
+            if spare is None:
+                break
+            taken[rec.id] = spare
+        return taken
 
     def delete(self) -> None:
         """Delete the snapshot; refused while a clone or a child snapshot uses it (its

@@ -137,3 +137,30 @@ def test_gc_reclaims_the_spares_of_a_sigkilled_controller():
                 SnapshotStore().get(snap_id).delete()
             except Exception:  # noqa: BLE001 - gone with gc already
                 pass
+
+
+def test_a_fork_takes_the_snapshots_spares_first_and_restores_the_rest():
+    ws = Workspace.create("base", memory_mode="share")
+    snap, clones = None, []
+    try:
+        sh(ws, "echo at-snapshot > /root/f; sleep 1003 >/dev/null 2>&1 &")
+        snap = ws.snapshot()
+        sh(ws, "echo later > /root/f")
+        snap.prepare_spares(1)
+        [spare] = _spare_records(snap.id)
+        clones = snap.fork(2)
+        assert spares.count(snap.id) == 0
+        assert [c.pid == spare.pid1 for c in clones] == [True, False]  # the spare first, then a restore
+        for c in clones:
+            assert c.read_file("/root/f") == b"at-snapshot\n"
+            assert "sleep 1003" in " ".join(host.proc_tree(c))
+            assert not Cgroup(c._rec.cgroup).is_frozen()
+        # the clones are independent of each other
+        sh(clones[0], "echo mine > /root/f")
+        assert clones[1].read_file("/root/f") == b"at-snapshot\n"
+    finally:
+        host.close_all(clones)
+        ws.close()
+        if snap is not None:
+            snap.delete()
+    assert leftovers([c.id for c in clones]) == {}
