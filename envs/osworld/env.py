@@ -182,6 +182,7 @@ class OSWorldEnv(WorkspaceEnv):
         self.action_space_name = action_space
         self.screen_size = (int(screen_size[0]), int(screen_size[1]))
         self.require_a11y_tree = require_a11y_tree
+        self._tree_cold = False  # see snapshot
         self.require_terminal = require_terminal
         self.settle = settle
         self.track_damage = track_damage
@@ -215,6 +216,9 @@ class OSWorldEnv(WorkspaceEnv):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         self.history, self.setup_log = [], []
+        # the task's apps have not been asked for their tree yet: the reset snapshot is taken
+        # after one tree (see snapshot)
+        self._tree_cold = self.require_a11y_tree
         obs, info = super().reset(seed=seed, options=options)
         if self.setup_log:
             info["setup_log"] = list(self.setup_log)
@@ -329,6 +333,22 @@ class OSWorldEnv(WorkspaceEnv):
             "instruction": self.task.instruction if self.task else "",
         }
 
+    def snapshot(self, *, keep: bool = False, **tags: Any) -> Any:
+        """As :meth:`WorkspaceEnv.snapshot`; with ``require_a11y_tree``, a state whose apps
+        have not been asked for their tree since the task's set-up (the reset snapshot) is
+        asked once first. An app makes its accessible objects when first asked (Calc: 3-5 s
+        for the Calc task, 1008 cell objects); asked before the snapshot, they are in it, and
+        the first tree of the reset observation, of every rollback to it and of every clone
+        of it costs what any later one does. Asking changes nothing the agent sees."""
+        with self._lock:
+            if self._tree_cold and self._ws is not None:
+                self._tree_cold = False
+                try:
+                    self.accessibility_tree()
+                except WorkspaceError as e:  # the observation will say what is wrong; the snapshot goes on
+                    log.warning("%s: no tree before the snapshot: %s", self.workspace.id, e)
+            return super().snapshot(keep=keep, **tags)
+
     def release_connections(self) -> None:
         if self._x is not None:
             self._x.close()
@@ -384,6 +404,7 @@ class OSWorldEnv(WorkspaceEnv):
         to the old walker, then to the window tree)."""
         if walker not in ("fast", "old"):
             raise ValueError(f"walker must be 'fast' or 'old', not {walker!r}")
+        self._tree_cold = False
         if walker == "fast" and not process:
             try:
                 return self._client().a11y_tree(seconds)

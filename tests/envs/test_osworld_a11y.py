@@ -543,3 +543,49 @@ def test_fast_walker_equals_the_old_walker_on_a_stand_in_app():
         "/org/a11y/atspi/accessible/root", float("inf"))], max_nodes=10000)
     assert third == old_xml
     assert app.made - made == 2 + 1
+
+
+def _stand_in_dump(app: StandIn, kept: dict, memo=None, counts=None) -> str:
+    pipe = StandInPipe(app)
+    orig = pipe.run
+
+    def run(calls):
+        for c in calls:
+            counts[c[2] if c[2] != "Get" else c[4][1]] = counts.get(c[2] if c[2] != "Get" else c[4][1], 0) + 1
+        return orig(calls)
+
+    if counts is not None:
+        pipe.run = run
+    walker = a11y.FastWalker(TABLES, pipe, kept, memo)
+    xml = a11y.build_xml([walker.fetch("/org/a11y/atspi/accessible/root", float("inf"))], max_nodes=10000)
+    return xml, walker.memo
+
+
+def test_a_memo_of_the_last_dump_asks_less_and_gives_the_same_tree():
+    """Interfaces (fixed per object) and the names of kept cell objects come from the memo
+    of the last dump; everything else is asked again, so a change shows at once."""
+    app = stand_in_app()
+    _huge(app)
+    kept: dict = {}
+    first_counts: dict = {}
+    first, memo = _stand_in_dump(app, kept, None, first_counts)
+    again_counts: dict = {}
+    again, memo2 = _stand_in_dump(app, kept, memo, again_counts)
+    assert again == first
+    shown = first_counts["GetInterfaces"]
+    assert shown > 3000 and again_counts.get("GetInterfaces", 0) == 0
+    cells = app.rows * app.cols
+    assert first_counts["Name"] - again_counts["Name"] == cells  # kept cells' names not asked
+    assert set(memo2.names) == set(kept.values()) and len(memo2.ifaces) == shown
+    # changes between dumps: a name, a text, a cell's text, a state; a retired cell object
+    entry = next(o for o in app.objs.values() if o.name == "Entry")
+    entry.name, entry.text = "Renamed", "new text"
+    app.objs[sorted(kept.values())[5]].text = "typed"
+    next(o for o in app.objs.values() if o.name == "Level").states.discard("showing")
+    retired = sorted(kept.values())[0]
+    app.objs[retired].states.add(DEFUNCT)
+    third, memo3 = _stand_in_dump(app, kept, memo2)
+    fresh, _ = _stand_in_dump(app, dict(kept), None)  # every question asked of the same objects
+    assert third == fresh != again
+    assert 'name="Renamed"' in third and ">typed</table-cell>" in third and 'name="Level"' not in third
+    assert retired not in memo3.names and retired not in kept.values()

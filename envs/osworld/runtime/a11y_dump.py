@@ -680,6 +680,22 @@ def _ok(r) -> bool:
     return not isinstance(r, CallFailed)
 
 
+class AppMemo:
+    """What one dump learned about an app that the next dump need not ask again, because an
+    object never changes it: its interfaces (by object path: a path names one object for
+    the app's life, atk-bridge numbers them from a counter, and an object's interfaces are
+    those of its type) and the names of Calc's cell objects (see FastWalker._read_cells).
+    Only what the last dump saw is kept, so it stays the size of one tree. A dump run in
+    the desktop server keeps it in memory; the server is forked with the workspace, so a
+    clone starts with its source's memo, which is as exact for the clone's app."""
+
+    __slots__ = ("ifaces", "names")
+
+    def __init__(self):
+        self.ifaces: dict[str, frozenset[str]] = {}
+        self.names: dict[str, str] = {}
+
+
 class FastWalker:
     """Fetch one application's tree level by level, each level's questions in one batch.
 
@@ -688,7 +704,8 @@ class FastWalker:
     count and interfaces of the showing ones; then their extents, text, value and children.
     """
 
-    def __init__(self, tables: dict, pipe: Pipeline, cells: dict[str, str] | None = None):
+    def __init__(self, tables: dict, pipe: Pipeline, cells: dict[str, str] | None = None,
+                 known: AppMemo | None = None):
         self.roles: list[str] = tables["roles"]
         self.extended_role: int = tables["extended"]
         self.state_bits: dict[str, int] = tables["states"]
@@ -696,6 +713,10 @@ class FastWalker:
         self.pipe = pipe
         #: "table path row,column" -> cell path, from the last dump (see _cell_paths)
         self.cells: dict[str, str] = cells if cells is not None else {}
+        #: what the last dump learned that an object never changes (see AppMemo); ``memo``
+        #: is what this dump learned, for the next one
+        self.known = known or AppMemo()
+        self.memo = AppMemo()
 
     def fetch(self, root_path: str, deadline: float) -> Node:
         """The app's tree under ``root_path``; levels not started by ``deadline`` are left out."""
@@ -722,14 +743,22 @@ class FastWalker:
             else:
                 n.ok = False  # not shown: left out, as the old walker does, whatever its role
         calls = []
+        known_ifaces, seen_ifaces = self.known.ifaces, self.memo.ifaces
         for n in wanted:
             p = n.ref[1]
             calls += [(p, ACC, "GetRole", "", ()), (p, PROPS, "Get", "ss", (ACC, "Name")),
-                      (p, PROPS, "Get", "ss", (ACC, "ChildCount")), (p, ACC, "GetInterfaces", "", ())]
-        res = self.pipe.run(calls)
+                      (p, PROPS, "Get", "ss", (ACC, "ChildCount"))]
+            if p not in known_ifaces:
+                calls.append((p, ACC, "GetInterfaces", "", ()))
+        res = iter(self.pipe.run(calls))
         extended = []
-        for i, n in enumerate(wanted):
-            role, name, count, ifaces = res[4 * i:4 * i + 4]
+        for n in wanted:
+            p = n.ref[1]
+            role, name, count = next(res), next(res), next(res)
+            ifaces = known_ifaces.get(p)
+            if ifaces is None:
+                got = next(res)
+                ifaces = frozenset(got[0]) if _ok(got) else None
             if not (_ok(role) and _ok(name)):
                 n.ok = False
                 continue
@@ -740,7 +769,9 @@ class FastWalker:
                 extended.append(n)
             n.name = name[0] or ""
             n.n_children = count[0] if _ok(count) else 0
-            n.ifaces = frozenset(ifaces[0]) if _ok(ifaces) else frozenset()
+            n.ifaces = ifaces if ifaces is not None else frozenset()
+            if ifaces is not None:
+                seen_ifaces[p] = ifaces
         names = self.pipe.run([(n.ref[1], ACC, "GetRoleName", "", ()) for n in extended])
         for n, r in zip(extended, names, strict=True):
             if _ok(r):
@@ -831,13 +862,24 @@ class FastWalker:
         run = self.pipe.run
         # name and whole text of each cell: two questions, not the old four (interfaces,
         # character count, then the text): a cell without the text interface answers
-        # UnknownMethod, which the old walker's get_text_iface() == None amounts to
-        info = run([q for cp in paths for q in ((cp, PROPS, "Get", "ss", (ACC, "Name")),
-                                                (cp, IFACE_TEXT, "GetText", "ii", (0, -1)))])
+        # UnknownMethod, which the old walker's get_text_iface() == None amounts to. The
+        # name of a cell object asked in the last dump is not asked again: Calc names a
+        # cell object after its address, which is fixed for the object's life (a cell that
+        # moves gets a new object), and keeps the name it made (ScAccessibleContextBase)
+        known_names, seen_names = self.known.names, self.memo.names
+        calls = []
+        for cp in paths:
+            if cp not in known_names:
+                calls.append((cp, PROPS, "Get", "ss", (ACC, "Name")))
+            calls.append((cp, IFACE_TEXT, "GetText", "ii", (0, -1)))
+        info = iter(run(calls))
         out: list = []
         long_texts = []
-        for i, cp in enumerate(paths):
-            name, text = info[2 * i:2 * i + 2]
+        for cp in paths:
+            name = [known_names[cp]] if cp in known_names else next(info)
+            text = next(info)
+            if _ok(name) and not (isinstance(text, CallFailed) and text.name not in NO_INTERFACE_ERRORS):
+                seen_names[cp] = name[0]  # a retired object's name is not kept
             if not _ok(name):
                 out.append(_RETIRED)
             elif _ok(text) and len(text[0]) < MAX_TEXT:
@@ -945,15 +987,19 @@ def _save_json(path: str | None, data: dict) -> None:
         print(f"a11y: could not write {path}: {e}", file=sys.stderr)
 
 
-def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None) -> str:
+def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None,
+              memo: dict[str, AppMemo] | None = None) -> str:
     """The old walker's XML, fetched with batched D-Bus calls (see :class:`FastWalker`).
     ``state_dir``: where libatspi's role table and the cell objects of the last dump are
-    kept between dumps (None: nothing kept)."""
+    kept between dumps (None: nothing kept). ``memo``: app key -> :class:`AppMemo`, read
+    and replaced by this dump (a long-lived caller's: the desktop server's); None: every
+    question is asked."""
     deadline = time.monotonic() + seconds
     tables = role_tables(os.path.join(state_dir, "bunshin-a11y-tables.json") if state_dir else None)
     cells_file = os.path.join(state_dir, "bunshin-a11y-cells.json") if state_dir else None
     known_cells = _load_json(cells_file)
     kept_cells: dict[str, dict] = {}
+    memos: dict[str, AppMemo] = {}
     session = Wire(os.environ["DBUS_SESSION_BUS_ADDRESS"], bus=True)
     try:
         addr = session.call_many([("org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus", "GetAddress", "", ())])[0]
@@ -971,7 +1017,8 @@ def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None) -> s
             if path == NULL_PATH:
                 continue
             pipe, app_key = _app_wire(bus, name, path)
-            walker = FastWalker(tables, pipe, dict(known_cells.get(app_key, {})))
+            walker = FastWalker(tables, pipe, dict(known_cells.get(app_key, {})),
+                                memo.get(app_key) if memo is not None else None)
             try:
                 roots.append(walker.fetch(path, deadline))
             finally:
@@ -979,8 +1026,12 @@ def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None) -> s
                     pipe.wire.close()
             if walker.cells:
                 kept_cells[app_key] = walker.cells
+            memos[app_key] = walker.memo
         if kept_cells != known_cells:
             _save_json(cells_file, kept_cells)  # apps gone since are dropped
+        if memo is not None:
+            memo.clear()  # apps gone since are dropped
+            memo.update(memos)
         return build_xml(roots, max_nodes)
     finally:
         bus.close()

@@ -12,10 +12,12 @@ Requests (one reply each; a failed action answers ``{"error": ...}`` and the ser
     {"op": "pyautogui", "code": "pyautogui.click(10, 20)", "timeout": 30}
     {"op": "computer_13", "action": {"action_type": "CLICK", "x": 10, "y": 20}}
     {"op": "screenshot"}  -> blob: BGRX pixels of the whole screen (fallback path)
-    {"op": "a11y_tree", "seconds": 8, "max_nodes": 3000}  -> blob: the accessibility tree's XML
-        (``a11y_dump.dump_fast``, run here: a dump as its own process pays a Python start and
-        its imports, 150-300 ms, on every step; every connection it opens is closed before
-        it answers, so nothing of it is open across a snapshot)
+    {"op": "a11y_tree", "seconds": 8, "max_nodes": 3000, "memo": true}  -> blob: the
+        accessibility tree's XML (``a11y_dump.dump_fast``, run here: a dump as its own process
+        pays a Python start and its imports, 150-300 ms, on every step; every connection it
+        opens is closed before it answers, so nothing of it is open across a snapshot; what
+        the last dump learned that never changes, ``A11Y_MEMO``, is kept in memory unless
+        "memo" is false); the reply says how many objects the memo knew (``memo_known``)
 
 Standard library + python3-xlib only. The host side drops its connection before every
 snapshot, so nothing here outlives a request across a CRIU dump but the X connection
@@ -99,21 +101,29 @@ def run_code(code: str) -> str:
     return out.getvalue()[-8192:]
 
 
+#: what the last tree dump learned that apps' objects never change (a11y_dump.AppMemo by
+#: app): kept in this process, which is forked with the workspace, so a clone's memo is its
+#: source's, as exact for its apps
+A11Y_MEMO: dict = {}
+
+
 def a11y_tree(req: dict) -> tuple[dict, list[bytes]]:
     """The fast walker's dump; an error reply (the host then runs the dump as a process, which
     falls back to the old walker) if it fails."""
     import a11y_dump  # beside this file; imported on the first tree, kept for the next ones
 
     seconds = float(req.get("seconds") or 8.0)
+    known = sum(len(m.ifaces) for m in A11Y_MEMO.values())  # objects the memo knows, as the dump starts
     signal.setitimer(signal.ITIMER_REAL, seconds + 10)  # past its own deadline: a hung app call
     try:
         xml = a11y_dump.dump_fast(int(req.get("max_nodes") or 3000), seconds,
-                                  os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+                                  os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
+                                  A11Y_MEMO if req.get("memo", True) else None)
     except BaseException as e:  # noqa: BLE001 - reported; the host takes the other path
         return {"error": f"{type(e).__name__}: {e}"}, []
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    return {"walker": "fast", "pid": os.getpid()}, [xml.encode()]
+    return {"walker": "fast", "pid": os.getpid(), "memo_known": known}, [xml.encode()]
 
 
 def handle(req: dict) -> tuple[dict, list[bytes]]:
