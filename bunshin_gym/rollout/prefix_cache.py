@@ -68,6 +68,7 @@ from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text, same_observation
 from bunshin_gym.rollout.residency import Residency, copy_bytes, keep_copy
 from bunshin_gym.rollout.signature import signature
+from bunshin_gym.rollout.spare_supply import SpareSupply
 from bunshin_gym.rollout.stats import CacheStats, Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
 
@@ -222,10 +223,14 @@ class PrefixCache(Counted):
         bound_restores: a restore whose tmpfs copy of page images would exceed the memory
             budget is declined, its calls replayed (see :meth:`start_cost`); False lets time
             alone decide (a host that was sent a snapshot so that it restores from it).
+        spares: keep one clone of each hot snapshot restored ahead and frozen, within the
+            memory budget (:class:`~bunshin_gym.rollout.spare_supply.SpareSupply`), so that a
+            restore of it is a thaw; needs ``overlap`` (they are made in the background).
     """
 
     def __init__(self, cache_dir: str | Path, *, snapshot_every: int = 2, memory_budget: int | None = None,
-                 overlap: bool = True, log: TrajectoryLog | None = None, bound_restores: bool = True):
+                 overlap: bool = True, log: TrajectoryLog | None = None, bound_restores: bool = True,
+                 spares: bool = True):
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
         self.tree = PrefixTree(cache_dir)
@@ -235,6 +240,8 @@ class PrefixCache(Counted):
         self.log = log
         self.residency = Residency(memory_budget)
         self.stats = CacheStats()
+        self.use_spares = spares and overlap
+        self.spares = SpareSupply(self.residency, self.count)
         for node in self.tree.nodes():
             if node.snapshot:
                 self.residency.add(node, _snapshot_size(node.snapshot))
@@ -284,8 +291,7 @@ class PrefixCache(Counted):
         for i in range(len(path) - 1, -1, -1):
             after[i] = after[i + 1] + path[i].duration
         options = [(self.stats.restore_cost(True) + after[1], 0)]  # the start state: kept hot
-        options += [(self.stats.restore_cost(self.residency.is_resident(n)) + after[i + 1], i)
-                    for i, n in enumerate(path) if i > 0 and n.snapshot]
+        options += [(self._restore_cost(n) + after[i + 1], i) for i, n in enumerate(path) if i > 0 and n.snapshot]
         if live is not None:
             options.append(((0.0 if materialized else self.stats.restore_cost(True)) + after[live + 1], live))
         # ties go to the deeper start (fewer replays, fewer chances of a non-deterministic call)
@@ -298,6 +304,18 @@ class PrefixCache(Counted):
             self.count(restores_declined=1)
             best = min(fits, key=lambda o: (o[0], -o[1]))
         return best
+
+    def _restore_cost(self, node: Node) -> float:
+        """Expected seconds of a restore of ``node``'s snapshot: a thaw if a spare of it is
+        ready, else a hot or cold restore."""
+        if self.use_spares and self.spares.has(node.snapshot):
+            return self.stats.spare_cost()
+        return self.stats.restore_cost(self.residency.is_resident(node))
+
+    def want_spare(self, node: Node, memory_mode: str) -> None:
+        """A spare of ``node``'s snapshot, made in the background if the budget allows."""
+        if self.use_spares:
+            self.spares.want(node, memory_mode)
 
     def shared_start(self, root: Node, base: Any) -> None:
         """Make a lazy member (``base``: its unwrapped env, not forked yet) start from the
@@ -332,6 +350,8 @@ class PrefixCache(Counted):
 
     def clear(self) -> None:
         """Forget the tree and delete its snapshots (leaves first, the tasks' start snapshots last)."""
+        self.spares.close()  # the spare being made is waited for; every spare is reclaimed
+        self.spares = SpareSupply(self.residency, self.count)
         with self.tree.lock:
             for node in sorted(self.tree.nodes(), key=lambda n: -n.depth):
                 if node.snapshot:
@@ -566,6 +586,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         record what it cost, as a hot or a cold restore."""
         base = self.env.unwrapped
         hot = node is None or self.cache.residency.is_resident(node)
+        ready = self.cache.spares.pids(snap.workspace.id)
         t0 = time.perf_counter()
         base.rollback(snap)
         base.workspace  # noqa: B018 - a lazy env forks here: part of the restore's cost
@@ -573,7 +594,13 @@ class PrefixCacheWrapper(BunshinWrapper):
         if node is None:
             return  # the start state: not a cached snapshot
         self.cache.residency.touch(node)
-        if hot:
+        # for the next restore of it: a snapshot restored once is restored again (members of
+        # later groups leaving the tree at the same call); most are never restored, so a
+        # spare of each new snapshot would be restore work and memory spent for nothing
+        self.cache.want_spare(node, base.memory_mode)
+        if base.workspace.pid in ready:
+            self.cache.count(restores=1, restores_spare=1, restore_spare_s=seconds)
+        elif hot:
             self.cache.count(restores=1, restores_hot=1, restore_hot_s=seconds)
         else:
             self.cache.count(restores=1, restores_cold=1, restore_cold_s=seconds)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bunshin_gym.rollout.runmemory import run_bytes
+from bunshin_gym.workspace import spares
 
 __all__ = ["AUTO_FRACTION", "Residency", "copy_bytes", "drop_snapshot", "keep_copy", "warm_snapshot"]
 
@@ -163,6 +164,7 @@ class Residency:
 
 def _drop_from_memory(node: Any) -> None:
     if getattr(node, "snapshot", None):
+        spares.discard(node.snapshot)  # a restore made ahead of a cold snapshot: not kept either
         drop_snapshot(node.snapshot)
 
 

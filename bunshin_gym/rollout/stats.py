@@ -9,6 +9,8 @@ from dataclasses import dataclass
 #: what a restore is assumed to cost (seconds) before any has been measured: hot (the
 #: snapshot's images resident in memory) and cold (read back from disk)
 PRIOR_RESTORE_S = {True: 0.3, False: 0.6}
+#: what a restore that thaws a spare made ahead is assumed to cost before one is measured
+PRIOR_SPARE_S = 0.05
 
 
 class Counted:
@@ -40,6 +42,12 @@ class CacheStats:
     # restores that were the quickest start but would have made a tmpfs copy of page images
     # beyond the cache's memory budget: the calls were replayed from a start mapped anyway
     restores_declined: int = 0
+    # restores that thawed a spare made ahead (rollout/spare_supply.py), and their time;
+    # spares made, and those whose restore failed
+    restores_spare: int = 0
+    restore_spare_s: float = 0.0
+    spares_made: int = 0
+    spares_failed: int = 0
     # replayed calls whose observation differed from the recorded one: never served again
     nondeterministic: int = 0
     off_tree: int = 0  # episodes that went on without the cache after such a difference
@@ -64,8 +72,13 @@ class CacheStats:
             return other * PRIOR_RESTORE_S[hot] / PRIOR_RESTORE_S[not hot]
         return PRIOR_RESTORE_S[hot]
 
+    def spare_cost(self) -> float:
+        """Mean measured seconds of a restore that took a spare (before any: the prior)."""
+        return self.restore_spare_s / self.restores_spare if self.restores_spare else PRIOR_SPARE_S
+
     def as_dict(self) -> dict:
         total = self.hits + self.misses
         return {**vars(self), "hit_rate": round(self.hits / total, 3) if total else 0.0,
                 "restore_hot_mean_s": round(self.restore_cost(True), 4),
-                "restore_cold_mean_s": round(self.restore_cost(False), 4)}
+                "restore_cold_mean_s": round(self.restore_cost(False), 4),
+                "restore_spare_mean_s": round(self.spare_cost(), 4)}

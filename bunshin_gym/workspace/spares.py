@@ -35,7 +35,7 @@ from bunshin_gym.workspace.snapshots.stored import StoredSnapshot
 
 log = logging.getLogger(__name__)
 
-__all__ = ["count", "discard", "memory_bytes", "prepare", "take"]
+__all__ = ["count", "discard", "memory_bytes", "pids", "prepare", "take"]
 
 #: seconds a thawed spare's agent has to answer (it answered before the freeze)
 _READY_TIMEOUT = 10.0
@@ -106,6 +106,12 @@ def count(snap_id: str | None = None) -> int:
     """Spares kept (of one snapshot, or of all)."""
     with _lock:
         return len(_spares.get(snap_id, [])) if snap_id else sum(map(len, _spares.values()))
+
+
+def pids(snap_id: str) -> set[int]:
+    """PID 1 of each spare of the snapshot (a workspace that took one runs on it)."""
+    with _lock:
+        return {s.pid1 for s in _spares.get(snap_id, []) if s.pid1 is not None}
 
 
 def memory_bytes(snap_id: str | None = None) -> int:
