@@ -240,6 +240,8 @@ def memory_figures(trace: list[tuple[float, int]]) -> dict:
 
 
 # hot and cold restores ---------------------------------------------------------------
+#: the kinds of restore :func:`measure_restores` times, in the order each round runs them
+RESTORE_KINDS = ("spare", "hot", "cold")
 #: the phases of a restore that :func:`measure_restores` times apart: the (module, function)
 #: places each may be found at (the first found is wrapped while it measures). The env's first
 #: observation after it is timed too ("observe"); what is left, "rest", is the records and
@@ -316,7 +318,10 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
     (:data:`RESTORE_PHASES`), restored as the prefix cache restores (the env rolled back to
     it, a share workspace).
 
-    Hot is a snapshot the cache keeps resident: its tmpfs copy of page images kept
+    Spare is a hot snapshot of which the cache keeps a clone restored ahead and frozen
+    (:mod:`~bunshin_gym.rollout.spare_supply`, made untimed here as the cache makes it in
+    the background): the rollback thaws and swaps it in. Hot is a snapshot the cache keeps
+    resident without a spare (none made yet, or none fits the budget): its tmpfs copy of page images kept
     (:func:`~bunshin_gym.rollout.residency.keep_copy`) and its images in the page cache, so a
     restore maps the copy as it is. Cold is one the cache evicted
     (:func:`~bunshin_gym.rollout.residency.drop_snapshot`): copy dropped, images written back
@@ -333,14 +338,15 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
     import gymnasium as gym
 
     from bunshin_gym.rollout.residency import drop_snapshot, keep_copy, warm_snapshot
-    from bunshin_gym.workspace import pool, uffd
+    from bunshin_gym.workspace import pool, spares, uffd
 
     if len(actions) < 2:
         raise ValueError("measure_restores needs two actions (one per sibling snapshot)")
     env = gym.make(env_id, memory_mode="share", **(env_kwargs or {}))
     snaps, sizes = [], []
-    times: dict[str, list[float]] = {"hot": [], "cold": []}
-    phases: dict[str, list[dict]] = {"hot": [], "cold": []}
+    times: dict[str, list[float]] = {k: [] for k in RESTORE_KINDS}
+    phases: dict[str, list[dict]] = {k: [] for k in RESTORE_KINDS}
+    took_spare: list[bool] = []
     try:
         base = env.unwrapped
         env.reset(options={"task": task})
@@ -350,12 +356,15 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
             snaps.append(base.snapshot(keep=True))
         sizes = [round(snap.workspace.size() / 2**20, 1) for snap in snaps]
         for _ in range(rounds):
-            for heat in ("hot", "cold"):
+            for heat in RESTORE_KINDS:
                 for snap in snaps:
-                    _settle()  # both kinds alike: no reclaim of the last restore's predecessor runs beside
-                    if heat == "hot":
+                    _settle()  # every kind alike: no reclaim of the last restore's predecessor runs beside
+                    if heat in ("spare", "hot"):
                         keep_copy(snap.id, make=True)
                         warm_snapshot(snap.id)
+                    if heat == "spare":  # as the cache keeps one of a hot snapshot restored before
+                        snap.workspace.prepare_spares(1, mode="share")
+                        ready = spares.pids(snap.workspace.id)
                     else:
                         drop_snapshot(snap.id)
                         deadline = time.monotonic() + 20  # the last restore's predecessor is reclaimed meanwhile
@@ -369,11 +378,14 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
                         base.workspace  # noqa: B018 - as the cache's restore: the workspace runs
                         total = time.perf_counter() - t0
                     times[heat].append(round(total, 3))
+                    if heat == "spare":
+                        took_spare.append(base.workspace.pid in ready)
                     known = {k: round(v, 3) for k, v in phase.seconds.items()}
                     phases[heat].append({**known, "rest": round(total - sum(phase.seconds.values()), 3)})
     finally:
         env.close()
         for snap in snaps:
+            spares.discard(snap.workspace.id)
             uffd.keep_images(snap.id, keep=False)
             try:
                 snap.workspace.delete()
@@ -383,7 +395,8 @@ def measure_restores(env_id: str, task: str, actions: list, *, rounds: int = 5,
                      "median_s": round(statistics.median(v), 3) if v else None,
                      "phases_median_s": _median_phases(phases[k]), "phases_s": phases[k]}
                  for k, v in times.items()}
-    out.update(task=task, rounds=rounds, images_mb=sizes, snapshots=[snap.id for snap in snaps])
+    out.update(task=task, rounds=rounds, images_mb=sizes, snapshots=[snap.id for snap in snaps],
+               spares_taken=sum(took_spare), spares_tried=len(took_spare))
     return out
 
 
@@ -446,7 +459,12 @@ def evaluate_targets(res: dict) -> list[dict]:
                                                                                  strict=True))
     add(5, "identical" if same else "DIFFER", same)
     r = res.get("restores")
-    if r and r["hot"].get("median_s") and r["cold"].get("median_s"):  # medians: a loaded host's outliers
+    if r and (r.get("spare") or {}).get("median_s") and r["cold"].get("median_s"):
+        spare, hot, cold = r["spare"]["median_s"], r["hot"]["median_s"], r["cold"]["median_s"]
+        every = r["spares_taken"] == r["spares_tried"]  # else some "spare" restores were plain ones
+        add(6, f"median with a spare {spare} s, hot without {hot} s, cold {cold} s ({cold / spare:.2f}x; spares "
+               f"taken {r['spares_taken']}/{r['spares_tried']})", spare < cold and every)
+    elif r and r["hot"].get("median_s") and r["cold"].get("median_s"):  # medians: a loaded host's outliers
         hot, cold = r["hot"]["median_s"], r["cold"]["median_s"]
         add(6, f"median hot {hot} s, cold {cold} s ({cold / hot:.2f}x; means {r['hot']['mean_s']}, "
                f"{r['cold']['mean_s']})", hot < cold)
@@ -612,8 +630,9 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
             kwargs = dict(ENV_KWARGS[env_id], **({"action_space": first["kind"]} if env_id == OSWORLD else {}))
             res["restores"] = measure_restores(env_id, first["task"], first["members"][0]["actions"],
                                                rounds=restore_rounds, env_kwargs=kwargs)
-            print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): median hot "
-                  f"{res['restores']['hot']['median_s']} s, cold {res['restores']['cold']['median_s']} s", flush=True)
+            print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): median with a "
+                  f"spare {res['restores']['spare']['median_s']} s, hot {res['restores']['hot']['median_s']} s, "
+                  f"cold {res['restores']['cold']['median_s']} s", flush=True)
     finally:
         for st in states.values():
             if st.cache is not None:
@@ -656,7 +675,7 @@ def summarise(res: dict) -> str:
         names = list(r["hot"]["phases_median_s"])
         lines += ["", f"restores of a cached snapshot ({r['images_mb']} MB of images, {len(r['hot']['times_s'])} "
                   "each, alternating), median seconds per phase:",
-                  table([[k, r[k]["median_s"], *r[k]["phases_median_s"].values()] for k in ("hot", "cold")],
+                  table([[k, r[k]["median_s"], *r[k]["phases_median_s"].values()] for k in RESTORE_KINDS if k in r],
                         ["restore", "total", *names])]
     noise = run_to_run_noise(res)
     if noise is not None:

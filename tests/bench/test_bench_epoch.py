@@ -168,6 +168,13 @@ def test_the_restore_target_compares_measured_hot_and_cold_restores():
     assert row["ok"] and row["measured"] == "hot 1.2 s, cold 1.8 s (1.50x)"
     res["restores"]["cold"]["mean_s"] = 1.1
     assert not {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[6][0]]["ok"]
+    # with spares: the cache's hot path is the spare's; every "spare" restore must have taken one
+    res["restores"] = {"spare": {"median_s": 0.2}, "hot": {"median_s": 1.0}, "cold": {"median_s": 1.1},
+                       "spares_taken": 4, "spares_tried": 4}
+    row = {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[6][0]]
+    assert row["ok"] and "with a spare 0.2 s" in row["measured"] and "5.50x" in row["measured"]
+    res["restores"]["spares_taken"] = 3
+    assert not {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[6][0]]["ok"]
 
 
 def test_hot_and_cold_restores_are_measured_as_the_cache_restores_and_leave_nothing():
@@ -176,8 +183,9 @@ def test_hot_and_cold_restores_are_measured_as_the_cache_restores_and_leave_noth
     mem = E.workspace_memory()
     r = E.measure_restores("Bunshin-Shell-v0", "shell/make-dir", ["echo a > /home/user/a", "echo b > /home/user/b"],
                            rounds=2)
-    assert len(r["hot"]["times_s"]) == len(r["cold"]["times_s"]) == 4  # 2 rounds x 2 sibling snapshots
-    assert all(t > 0 for k in ("hot", "cold") for t in r[k]["times_s"]) and len(r["images_mb"]) == 2
+    assert len(r["spare"]["times_s"]) == len(r["hot"]["times_s"]) == len(r["cold"]["times_s"]) == 4  # 2 x 2
+    assert all(t > 0 for k in ("spare", "hot", "cold") for t in r[k]["times_s"]) and len(r["images_mb"]) == 2
+    assert r["spares_taken"] == r["spares_tried"] == 4  # each "spare" restore thawed the one made for it
     ids = {s.id for s in SnapshotStore().list()}
     assert len(r["snapshots"]) == 2 and not ids & set(r["snapshots"])  # its snapshots are deleted
     assert E.workspace_memory()["workspaces"] == mem["workspaces"]  # and its env closed
