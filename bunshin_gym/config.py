@@ -106,6 +106,11 @@ def write_tracking() -> bool:
     return get("BUNSHIN_WRITE_TRACKING") != "0"
 
 
+def background_dump() -> bool:
+    """``BUNSHIN_BACKGROUND_DUMP=1``: a snapshot's pages are written after the thaw (criu/patches/0020)."""
+    return get("BUNSHIN_BACKGROUND_DUMP") == "1"
+
+
 def kmod_double_copy() -> bool:
     """``BUNSHIN_KMOD_DOUBLE=copy``: kmod mode's test double that copies pages."""
     return get("BUNSHIN_KMOD_DOUBLE") == "copy"

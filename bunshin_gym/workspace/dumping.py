@@ -45,9 +45,11 @@ import json
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bunshin_gym.config import Paths, criu_carries
 from bunshin_gym.workspace import records
 
 log = logging.getLogger(__name__)
@@ -209,3 +211,40 @@ def remove_network_locks(pid1: int | None) -> list[str]:
     if removed:
         log.warning("removed CRIU's network lock %s left by an interrupted dump (pid %d)", removed, pid1)
     return removed
+
+
+#: the criu binary can dump in the background if it contains this string (criu/patches/0020-*)
+BACKGROUND_MARKER = b"bg-dump: tasks thawed"
+
+
+def background_available(p: Paths | None = None) -> bool:
+    """The built CRIU carries the background dump (criu/patches/0020-*)."""
+    return criu_carries(BACKGROUND_MARKER, p)
+
+
+def run_in_background(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
+                      ) -> tuple[subprocess.CompletedProcess, float | None]:
+    """Run ``criu dump`` as a background dump (criu/patches/0020: ``CRIU_BG_DUMP=1``): CRIU
+    thaws the tasks once it holds their metadata and their pages by reference, copy-on-write,
+    and writes the pages afterwards. Returns the finished process and the ``perf_counter()``
+    time at which CRIU let the tasks run (None when it never said so: it failed first, or a
+    CRIU without the patch wrote everything while frozen)."""
+    r, w = os.pipe()
+    try:
+        # CRIU writes "1" to this fd and closes it when the tasks run again (mem.c bg_dump_*)
+        proc = subprocess.Popen(cmd, env=dict(env, CRIU_BG_DUMP="1", CRIU_BG_DUMP_FD=str(w)),
+                                pass_fds=(*pass_fds, w), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    thawed = None
+    try:
+        # its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer meanwhile
+        if os.read(r, 1) == b"1":
+            thawed = time.perf_counter()
+    finally:
+        os.close(r)
+    out, err = proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), thawed

@@ -140,7 +140,7 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
     (a freeze that times out or fails included)."""
     cg = Cgroup(rec.cgroup)
     t0 = time.perf_counter()
-    proc = lock = None
+    proc = lock = thawed = None
     try:
         times["refreezes"] = _freeze_seizable(cg, rec.id)
         dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
@@ -152,14 +152,12 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
         freezer = cg.dirs[0] if unified() else cg.dirs[1]
         dump_env = env
         lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
-        proc = subprocess.run(
-            [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(path / "criu"), *DUMP_FLAGS, *delta_args,
-             *(_device_mounts(dump=True) if rec.userns_base is not None else []),
-             "--network-lock", lock,
-             "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"],
-            capture_output=True, text=True, env=dump_env,
-            pass_fds=(lock_fd,),  # CRIU holds the in-progress lock too: outliving us, it still counts
-        )
+        cmd = dump_command(rec, p, path / "criu", freezer, lock, delta_args)
+        if config.background_dump() and dumping.background_available(p):  # thawed once CRIU has the
+            proc, thawed = dumping.run_in_background(cmd, dump_env, (lock_fd,))  # metadata; pages after
+        else:
+            # CRIU holds the in-progress lock too: outliving us, it still counts
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=dump_env, pass_fds=(lock_fd,))
         times["dump_ms"] = _ms(t)
     finally:
         if lock == "nftables" and (proc is None or proc.returncode != 0):  # a killed CRIU leaves its lock
@@ -168,7 +166,19 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
         cg.thaw()
         times["thaw_ms"] = _ms(t)
         times["frozen_ms"] = _ms(t0)
+    if thawed is not None:  # the source ran while its pages were written: frozen only until then
+        times["frozen_ms"] = round((thawed - t0) * 1000, 3)
+        times["background_ms"] = _ms(thawed)
     return proc
+
+
+def dump_command(rec: records.Record, p: Paths, images: Path, freezer: Path, lock: str,
+                 delta_args: list[str] | None = None) -> list[str]:
+    """``criu dump`` of a workspace frozen through ``freezer`` into ``images``."""
+    return [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(images), *DUMP_FLAGS, *(delta_args or []),
+            *(_device_mounts(dump=True) if rec.userns_base is not None else []),
+            "--network-lock", lock,
+            "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"]
 
 
 #: how often the freeze is redone when a task is frozen where CRIU cannot stop it

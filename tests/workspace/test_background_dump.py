@@ -1,0 +1,151 @@
+"""Background dumps (criu/patches/0020-background-dump, ``BUNSHIN_BACKGROUND_DUMP=1``): CRIU
+thaws the workspace once it holds the metadata and the pages (by reference, made
+copy-on-write) and writes the pages afterwards, while the source runs on.
+
+The reference is a stop-the-world dump of the same frozen state: the workspace is frozen, dumped
+the old way (CRIU leaves it frozen, as it found it), then dumped in the background from that
+same frozen state while a writer rewrites every page, drops, unmaps, moves pages and forks
+during the background phase. Both images must hold the same pages, page by page; and the test
+asserts the second dump really ran in the background (CRIU said it thawed, and the writer ran
+before CRIU finished), so it fails with a CRIU that writes everything frozen as well as with a
+background dump that lets a write through to a page it has not saved.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fork_programs import host
+
+from bunshin_gym import config
+from bunshin_gym.config import criu_env
+from bunshin_gym.workspace import Workspace, dumping, forking, memory
+from bunshin_gym.workspace.cgroups import unified
+from bunshin_gym.workspace.snapshots import delta
+from bunshin_gym.workspace.snapshots.criu_images import load_image
+
+DIR = "/tmp/bgw"
+PROG = f"{host.DIR}/bgwriter"
+MB = 64
+
+
+pytestmark = pytest.mark.skipif(not dumping.background_available(),
+                                reason="CRIU without criu/patches/0020-background-dump (see criu/build.sh)")
+
+
+def _pages(images: Path) -> dict[str, dict[int, bytes]]:
+    """{pagemap file: {address: page}} of every process's dumped pages (in-parent ones named)."""
+    out: dict[str, dict[int, bytes]] = {}
+    for pm in sorted(images.glob("pagemap-*.img")):
+        if not pm.stem.split("-", 1)[1].isdigit():
+            continue
+        _, pages_id, ents = delta.read_pagemap(pm)
+        pages: dict[int, bytes] = {}
+        with open(images / f"pages-{pages_id}.img", "rb") as f:
+            for vaddr, n, flags in ents:
+                for i in range(n):
+                    addr = vaddr + i * 4096
+                    pages[addr] = f.read(4096) if flags & delta.PE_PRESENT else b"in-parent"
+        out[pm.name] = pages
+    return out
+
+
+def _mask_rseq(images: Path, pages: dict[str, dict[int, bytes]]) -> None:
+    """Blank each thread's rseq area (from its core image) in its process's pages: the kernel
+    rewrites it (the CPU the thread runs on) whenever the thread returns to user space on
+    another CPU, which CRIU's parasite does in each dump. The writer runs without rseq."""
+    for proc in load_image(images / "pstree.img")["entries"]:
+        mine = pages.get(f"pagemap-{proc['pid']}.img", {})
+        for tid in proc.get("threads") or [proc["pid"]]:
+            rseq = load_image(images / f"core-{tid}.img")["entries"][0]["thread_core"].get("rseq_entry")
+            if not rseq or not rseq.get("rseq_abi_pointer"):
+                continue
+            start, end = rseq["rseq_abi_pointer"], rseq["rseq_abi_pointer"] + rseq["rseq_abi_size"]
+            for a in range(start & ~4095, end, 4096):
+                if a in mine and mine[a] != b"in-parent":
+                    lo, hi = max(start, a) - a, min(end, a + 4096) - a
+                    mine[a] = mine[a][:lo] + bytes(hi - lo) + mine[a][hi:]
+
+
+def _runtime_ns(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path):
+    p = config.paths()
+    ws = Workspace.create("base")
+    try:
+        host.install(ws, "bgwriter")
+        ws.exec(["mkdir", "-p", DIR])
+        # no rseq: the kernel writes a registered rseq area whenever the task runs on another
+        # CPU, which the parasite's runs between the two dumps may do
+        ws.spawn([PROG, str(MB), DIR], log="/tmp/bgwriter.log", env={"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
+        vpid = int(host.wait_file(ws, f"{DIR}/ready"))
+        writer = next(pid for pid in ws.pids() if Path(f"/proc/{pid}/comm").read_text().strip() == "bgwriter")
+        time.sleep(0.3)  # writing, dropping, moving and forking by now
+        rec = ws._rec
+        cg = ws.cgroup
+        freezer = cg.dirs[0] if unified() else cg.dirs[1]
+        env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p))
+        ref, bg = tmp_path / "stop-the-world", tmp_path / "background"
+        ref.mkdir()
+        bg.mkdir()
+        samples: list[tuple[float, int]] = []
+        stop = threading.Event()
+
+        def sample() -> None:  # the writer's CPU time, to see it run while CRIU writes pages
+            while not stop.is_set():
+                samples.append((time.perf_counter(), _runtime_ns(writer)))
+                time.sleep(0.001)
+
+        ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
+        cg.freeze()
+        try:
+            old = subprocess.run(forking.dump_command(rec, p, ref, freezer, "skip"), env=env,
+                                 capture_output=True, text=True)
+            assert old.returncode == 0, (ref / "dump.log").read_text()[-3000:]
+            assert cg.is_frozen(), "the stop-the-world dump should leave the workspace frozen"
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            try:
+                new, thawed = dumping.run_in_background(forking.dump_command(rec, p, bg, freezer, "skip"), env, ())
+                done = time.perf_counter()
+            finally:
+                stop.set()
+                sampler.join()
+        finally:
+            cg.thaw()
+        log = (bg / "dump.log").read_text()
+        assert new.returncode == 0, log[-3000:]
+        assert thawed is not None, "CRIU never said it thawed the workspace"
+        assert "bg-dump: writing the pages of" in log
+        ran = [ns for t, ns in samples if thawed <= t <= done]
+        assert ran and ran[-1] - ran[0] > 0, "the writer did not run while CRIU wrote the pages"
+
+        want, got = _pages(ref), _pages(bg)
+        _mask_rseq(ref, want)
+        _mask_rseq(ref, got)  # the same frozen state: the same threads and rseq areas
+        assert set(want) == set(got)
+        mine = f"pagemap-{vpid}.img"
+        assert len(want[mine]) >= MB * 256, "the writer's memory is not in the reference dump"
+        diffs = [f"{name} {a:#x}: {'missing' if a not in got[name] else 'differs'}"
+                 for name in want for a in sorted(set(want[name]) | set(got[name]))
+                 if want[name].get(a) != got[name].get(a)]
+        assert not diffs, f"{len(diffs)} pages differ from the stop-the-world dump, first: {diffs[:10]}"
+        # and the writer really changed its memory after the freeze: most live pages differ
+        changed = 0
+        with open(f"/proc/{writer}/mem", "rb", buffering=0) as mem:
+            for a, page in got[mine].items():
+                try:
+                    mem.seek(a)
+                    changed += mem.read(4096) != page
+                except OSError:  # unmapped by now (the writer maps pages again and again)
+                    changed += 1
+        assert changed >= MB * 256 // 2, f"only {changed} of the writer's pages changed after the dump"
+    finally:
+        ws.close()
