@@ -115,10 +115,14 @@ def _osworld_latency(space: str, task: str, steps: int) -> dict:
 TREE_TASKS = {"calc": "osworld/calc-max-sales", "terminal": "osworld/terminal-count-lines",
               "text editor": "osworld/editor-fix-port", "chromium": "osworld/chrome-open-about"}
 #: old: libatspi, one call at a time; fast: batched D-Bus calls, as a process of its own;
-#: served: the fast walker inside the desktop's input server (the env's default: no process start)
-WALKERS = ("old", "fast", "served")
+#: served-nomemo: the fast walker inside the desktop's input server, asking everything (last
+#: session's default); served: the same with the server's memo of what never changes (the
+#: env's default now)
+WALKERS = ("old", "fast", "served-nomemo", "served")
 #: issue #20's goal for a tree dump (ms)
 TREE_GOAL_MS = 200.0
+#: tree requests whose memory growth is measured
+MEMORY_REQUESTS = 20
 
 
 def _tree(u, walker: str) -> str:
@@ -127,47 +131,100 @@ def _tree(u, walker: str) -> str:
     host cuts the tree or leaves Calc out: then the two would not give the same content)."""
     from bunshin_gym.envs.osworld import desktop
 
-    if walker == "served":
-        return u._client().a11y_tree(120.0)
+    if walker.startswith("served"):
+        return u._client().a11y_tree(120.0, memo=walker == "served")
     res = u.workspace.exec(["python3", f"{desktop.OPT}/a11y_dump.py", "--walker", walker, "--seconds", "120",
                             "--call-timeout", "15"], user=desktop.USER, env=desktop.DESKTOP_ENV, timeout=180)
     return res.text
 
 
-def _private_bytes(pids: list[int]) -> int:
+def _private_kb(pids: list[int]) -> int:
     r = rollup(pids)
-    return r["Private_Clean"] + r["Private_Dirty"]
+    return (r["Private_Clean"] + r["Private_Dirty"]) // 1024
 
 
-def _grown_per_dump(u, pids: list[int], walker: str, n: int) -> int:
-    """kB of private memory the desktop's processes grew per dump, over ``n`` dumps."""
-    before = _private_bytes(pids)
+def _server_pids(u) -> list[int]:
+    from bunshin_gym.envs.osworld import desktop
+
+    pid = u._client().request({"op": "ping"})["pid"]  # in the workspace's pid namespace
+    return [p for p in u.workspace.pids() if _ns_pid(p) == pid and desktop.OPT in _cmdline(p)]
+
+
+def _ns_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except OSError:
+        return None
+    return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _memory_over_requests(u, n: int) -> dict:
+    """Private memory (kB) of the workspace's processes before and after ``n`` served tree
+    requests, split into the desktop server (the memo's owner) and the rest (the apps,
+    which may make objects when asked)."""
+    server = _server_pids(u)
+    pids = u.workspace.pids()
+    rest = [p for p in pids if p not in server]
+    before = {"server": _private_kb(server), "apps_and_rest": _private_kb(rest)}
     for _ in range(n):
-        _tree(u, walker)
-    return round((_private_bytes(pids) - before) / n / 1024)
+        _tree(u, "served")
+    after = {"server": _private_kb(server), "apps_and_rest": _private_kb(rest)}
+    return {"requests": n, "before_kb": before, "after_kb": after,
+            "grown_kb": {k: after[k] - before[k] for k in before}}
 
 
-def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
-    """Accessibility-tree dump time per app, old and fast walker in turns on the same desktop
-    (so load on a shared host hits both alike); each walker's first dump is a warm-up (the
-    fast walker keeps tables between dumps) and not timed. ``same_xml``: every pair of dumps
-    taken in turn was equal. ``private_kb_per_dump``: growth of the desktop processes'
-    private memory per dump over ``n`` dumps in a row of one walker, the fast walker's
-    before any old one (Calc keeps every cell object an AT-SPI client asks for; the fast
-    walker asks its kept ones again, and a new one asked by the old walker retires them)."""
+def _first_tree_of_a_clone(u) -> float:
+    """Seconds the first served tree of a clone of ``u``'s live state takes."""
+    (twin,) = u.clone(1)
+    try:
+        t0 = time.perf_counter()
+        twin.unwrapped.accessibility_tree(seconds=120.0)  # as an observation: served, else a process
+        return time.perf_counter() - t0
+    finally:
+        twin.close()
+
+
+def osworld_tree(n: int = 5, tasks: dict[str, str] | None = None) -> dict:
+    """Accessibility-tree dump time per app, all walkers in turns on the same desktop (so load
+    on a shared host hits them alike); each walker's first dump is a warm-up and not timed.
+    ``same_xml``: every round of dumps taken in turn was equal. ``first_clone_tree_s``: the
+    first tree of a clone whose source had never been asked for its tree ("cold": the
+    apps make their accessible objects then) and of one whose source had ("warm": what a
+    reset snapshot holds now, see ``OSWorldEnv.snapshot``). ``memory``: private memory of
+    the desktop server and of the rest over MEMORY_REQUESTS served dumps after the timed
+    ones. ``private_kb_per_dump``: growth of the desktop processes' private memory per
+    process dump over ``n`` in a row, the fast walker's before any old one (Calc keeps
+    every cell object an AT-SPI client asks for; the fast walker asks its kept ones again,
+    and a new one asked by the old walker retires them)."""
     out: dict = {}
     env = gym.make("Bunshin-OSWorld-v0", action_space="pyautogui", require_a11y_tree=False)
     try:
         for app, task in (tasks or TREE_TASKS).items():
             print(f"  accessibility tree, {app} ({task}) ...", flush=True)
-            env.reset(options={"task": task})
+            env.reset(options={"task": task})  # no tree asked: require_a11y_tree=False
             time.sleep(2)
             u = env.unwrapped
+            first = {"cold": _first_tree_of_a_clone(u)}
             pids = u.workspace.pids()
             trees = {"fast": _tree(u, "fast")}
-            grown = {"fast": _grown_per_dump(u, pids, "fast", n)}
-            trees["old"] = _tree(u, "old")
-            trees["served"] = _tree(u, "served")
+            first["warm"] = _first_tree_of_a_clone(u)
+            before = _private_kb(pids)
+            for _ in range(n):
+                _tree(u, "fast")
+            grown = {"fast": round((_private_kb(pids) - before) / n)}
+            for w in WALKERS:
+                trees[w] = _tree(u, w)
             samples: dict[str, list[float]] = {w: [] for w in WALKERS}
             same = True
             for _ in range(n):
@@ -175,22 +232,50 @@ def osworld_tree(n: int = 3, tasks: dict[str, str] | None = None) -> dict:
                     t0 = time.perf_counter()
                     trees[w] = _tree(u, w)
                     samples[w].append(time.perf_counter() - t0)
-                same = same and trees["old"] == trees["fast"] == trees["served"]
-            grown["old"] = _grown_per_dump(u, pids, "old", n)
-            out[app] = {"task": task, "lines": trees["fast"].count("\n") + 1, "same_xml": same,
-                        **{w: summary(samples[w]) for w in WALKERS}, "private_kb_per_dump": grown}
+                same = same and len({trees[w] for w in WALKERS}) == 1
+            memory = _memory_over_requests(u, MEMORY_REQUESTS)
+            before = _private_kb(pids)
+            for _ in range(n):
+                _tree(u, "old")
+            grown["old"] = round((_private_kb(pids) - before) / n)
+            out[app] = {"task": task, "lines": trees["served"].count("\n") + 1, "same_xml": same,
+                        **{w: summary(samples[w]) for w in WALKERS}, "private_kb_per_dump": grown,
+                        "first_clone_tree_s": {k: round(v, 3) for k, v in first.items()}, "memory": memory}
     finally:
         env.close()
     return out
 
 
 def tree_table(res: dict) -> str:
-    rows = [[app, r["lines"], r["old"]["median_ms"], r["fast"]["median_ms"], r.get("served", {}).get("median_ms", "-"),
-             round(r["old"]["median_ms"] / max(r.get("served", r["fast"])["median_ms"], 1e-9), 1),
-             "yes" if r.get("served", r["fast"])["median_ms"] <= TREE_GOAL_MS else "NO", r["same_xml"],
-             r["private_kb_per_dump"]["old"], r["private_kb_per_dump"]["fast"]] for app, r in res.items()]
-    return table(rows, ["app", "lines", "old median ms", "fast (process) ms", "served ms", "speed-up",
-                        f"<= {TREE_GOAL_MS:.0f} ms", "same XML", "old private kB/dump", "fast private kB/dump"])
+    rows = []
+    for app, r in res.items():
+        new = r.get("served", r["fast"])["median_ms"]
+        first = r.get("first_clone_tree_s", {})
+        grown = r.get("memory", {}).get("grown_kb", {})
+        rows.append([app, r["lines"], *(r[w]["median_ms"] if w in r else "-" for w in WALKERS),
+                     round(r["old"]["median_ms"] / max(new, 1e-9), 1), "yes" if new <= TREE_GOAL_MS else "NO",
+                     r["same_xml"], first.get("cold", "-"), first.get("warm", "-"),
+                     grown.get("server", "-"), grown.get("apps_and_rest", "-"),
+                     r["private_kb_per_dump"]["old"], r["private_kb_per_dump"]["fast"]])
+    return table(rows, ["app", "lines", "old ms", "fast (process) ms", "served, no memo ms", "served ms",
+                        "speed-up", f"<= {TREE_GOAL_MS:.0f} ms", "same XML", "clone 1st cold s", "clone 1st warm s",
+                        f"server kB +{MEMORY_REQUESTS} trees", f"rest kB +{MEMORY_REQUESTS} trees",
+                        "old private kB/dump", "fast private kB/dump"])
+
+
+def run_tree(json_path: str | None = None, n: int = 5) -> dict:
+    """The accessibility-tree part of the Bunshin-OSWorld-v0 bench alone (with the host's load)."""
+    import os
+
+    load0 = os.getloadavg()
+    res = osworld_tree(n)
+    load1 = os.getloadavg()
+    print()
+    print(f"accessibility tree per app (load 1/5/15 min: {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f} at start, "
+          f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} at end)")
+    print(tree_table(res))
+    return write("env-Bunshin-OSWorld-v0-a11y-tree", {"a11y_tree": res, "load_start": load0, "load_end": load1},
+                 json_path)
 
 
 def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes: tuple[str, ...] = ("share", "copy"),
@@ -216,7 +301,8 @@ def bench_osworld(steps: int = 200, counts: tuple[int, ...] = (1, 8, 16), modes:
     print()
     print(table(rows, ["measure (1920x1080)", "median ms", "p90 ms"]))
     print()
-    print("accessibility tree per app (old: libatspi walker; fast: batched D-Bus calls)")
+    print("accessibility tree per app (old: libatspi walker; fast: batched D-Bus calls; served: in the desktop "
+          "server, with its memo)")
     print(tree_table(res["a11y_tree"]))
     mrows = []
     for mode, by_n in res["clones"].items():
@@ -254,3 +340,9 @@ def run(json_path: str | None = None, *, env_id: str, **kwargs) -> dict:
     print(f"bench env: {env_id}")
     res = BENCHES[env_id](**{k: v for k, v in kwargs.items() if v is not None})
     return write(f"env-{env_id}", res, json_path)
+
+
+if __name__ == "__main__":  # python -m bunshin_gym.bench.env [JSON]: the accessibility-tree table alone
+    import sys
+
+    run_tree(sys.argv[1] if len(sys.argv) > 1 else None)

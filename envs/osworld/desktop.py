@@ -236,13 +236,16 @@ class DesktopClient:
     def request(self, header: dict, timeout: float = 120.0) -> dict:
         return self._client.request(header, timeout=timeout)[0]
 
-    def a11y_tree(self, seconds: float, max_nodes: int = 3000, memo: bool = True) -> str:
+    def a11y_tree(self, seconds: float, max_nodes: int = 3000, memo: bool = True,
+                  reply_timeout: float | None = None) -> str:
         """The accessibility tree's XML, dumped by the input server (the fast walker); a
         :class:`~bunshin_gym.errors.WorkspaceError` if it failed there. ``memo``: the server
         keeps what never changes (objects' interfaces, Calc cell names) from dump to dump;
-        False asks everything (for comparisons)."""
+        False asks everything (for comparisons). ``reply_timeout``: the longest wait for an
+        app's next reply (default the walker's, 5 s)."""
         reply, blobs = self._client.request({"op": "a11y_tree", "seconds": seconds, "max_nodes": max_nodes,
-                                             "memo": memo}, timeout=seconds + 20)
+                                             "memo": memo, "reply_timeout": reply_timeout},
+                                            timeout=seconds + 20 + (reply_timeout or 0))
         if "error" in reply or len(blobs) != 1:
             raise WorkspaceError(f"{self.ws.id}: the input server's tree dump failed: {reply.get('error')}")
         return blobs[0].decode(errors="replace")

@@ -148,6 +148,10 @@ def check_computer_13(a: Any, width: int, height: int) -> str:
     return kind
 
 
+#: time the tree asked before the reset snapshot may take (see OSWorldEnv.snapshot)
+WARM_TREE_S = 60.0
+
+
 class OSWorldEnv(WorkspaceEnv):
     """The desktop env (OSWorld-compatible tasks, actions and observations).
 
@@ -343,8 +347,8 @@ class OSWorldEnv(WorkspaceEnv):
         with self._lock:
             if self._tree_cold and self._ws is not None:
                 self._tree_cold = False
-                try:
-                    self.accessibility_tree()
+                try:  # given time: an app asked for the first time answers slowly on a busy host
+                    self._client().a11y_tree(WARM_TREE_S, reply_timeout=WARM_TREE_S / 2)
                 except WorkspaceError as e:  # the observation will say what is wrong; the snapshot goes on
                     log.warning("%s: no tree before the snapshot: %s", self.workspace.id, e)
             return super().snapshot(keep=keep, **tags)

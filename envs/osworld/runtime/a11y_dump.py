@@ -689,11 +689,13 @@ class AppMemo:
     the desktop server keeps it in memory; the server is forked with the workspace, so a
     clone starts with its source's memo, which is as exact for the clone's app."""
 
-    __slots__ = ("ifaces", "names")
+    __slots__ = ("ifaces", "names", "listed")
 
     def __init__(self):
         self.ifaces: dict[str, frozenset[str]] = {}
         self.names: dict[str, str] = {}
+        #: paths of the objects whose children were listed (a hint, see FastWalker._basics)
+        self.listed: set[str] = set()
 
 
 class FastWalker:
@@ -719,19 +721,29 @@ class FastWalker:
         self.memo = AppMemo()
 
     def fetch(self, root_path: str, deadline: float) -> Node:
-        """The app's tree under ``root_path``; levels not started by ``deadline`` are left out."""
+        """The app's tree under ``root_path``; levels not started by ``deadline`` are left out.
+
+        Two rounds a level where the memo knows the nodes: their basics (with the children
+        of the nodes whose children were listed last time), then their details together with
+        the states of those children; a third, the states, only for children not known then."""
         root = Node((self.pipe.dest or "", root_path))
-        level = [(root, True)]
+        level: list[tuple[Node, bool, object]] = [(root, True, None)]
         while level and time.monotonic() < deadline:
-            self._basics(level)
-            level = self._details(level)
+            wanted = self._states(level)
+            listed = self._basics(wanted)
+            level = self._details(wanted, listed)
         return root
 
-    def _basics(self, level: list[tuple[Node, bool]]) -> None:
-        states = self.pipe.run([(n.ref[1], ACC, "GetState", "", ()) for n, _ in level])
+    def _states(self, level: list[tuple[Node, bool, object]]) -> list[tuple[Node, bool]]:
+        """Each node's states (asked now unless the last round asked them already); the shown
+        ones (every app), to be asked more of."""
+        ask = [n for n, _, st in level if st is None]
+        got = iter(self.pipe.run([(n.ref[1], ACC, "GetState", "", ()) for n in ask]))
         showing_bit = self.state_bits["showing"]
         wanted = []
-        for (n, app), st in zip(level, states, strict=True):
+        for n, app, st in level:
+            if st is None:
+                st = next(got)
             if not _ok(st):
                 n.ok = False
                 continue
@@ -739,26 +751,38 @@ class FastWalker:
             bits = sum(w << (32 * k) for k, w in enumerate(words))
             n.states = frozenset(s for s, b in self.state_bits.items() if bits >> b & 1)
             if app or bits >> showing_bit & 1:
-                wanted.append(n)
+                wanted.append((n, app))
             else:
                 n.ok = False  # not shown: left out, as the old walker does, whatever its role
+        return wanted
+
+    def _basics(self, wanted: list[tuple[Node, bool]]) -> dict:
+        """Role, name, child count and interfaces of each node; the children of a node whose
+        children were listed in the last dump (``AppMemo.listed``: a hint, used only if its
+        child count now says they are listed, as _details would) and that is no table (the
+        only kind with 2^31 children): node -> GetChildren's answer."""
         calls = []
-        known_ifaces, seen_ifaces = self.known.ifaces, self.memo.ifaces
-        for n in wanted:
+        known_ifaces, seen_ifaces, listed_before = self.known.ifaces, self.memo.ifaces, self.known.listed
+        for n, _ in wanted:
             p = n.ref[1]
             calls += [(p, ACC, "GetRole", "", ()), (p, PROPS, "Get", "ss", (ACC, "Name")),
                       (p, PROPS, "Get", "ss", (ACC, "ChildCount"))]
-            if p not in known_ifaces:
+            ifaces = known_ifaces.get(p)
+            if ifaces is None:
                 calls.append((p, ACC, "GetInterfaces", "", ()))
+            elif p in listed_before and IFACE_TABLE not in ifaces:
+                calls.append((p, ACC, "GetChildren", "", ()))
         res = iter(self.pipe.run(calls))
-        extended = []
-        for n in wanted:
+        extended, listed = [], {}
+        for n, _ in wanted:
             p = n.ref[1]
             role, name, count = next(res), next(res), next(res)
             ifaces = known_ifaces.get(p)
             if ifaces is None:
                 got = next(res)
                 ifaces = frozenset(got[0]) if _ok(got) else None
+            elif p in listed_before and IFACE_TABLE not in ifaces:
+                listed[n] = next(res)
             if not (_ok(role) and _ok(name)):
                 n.ok = False
                 continue
@@ -778,50 +802,72 @@ class FastWalker:
                 n.role = r[0]
             else:
                 n.ok = False
+        return listed
 
-    def _details(self, level: list[tuple[Node, bool]]) -> list[tuple[Node, bool]]:
-        """Extents, text, value and children of the shown nodes of a level; the next level."""
+    def _details(self, wanted: list[tuple[Node, bool]], listed: dict) -> list[tuple[Node, bool, object]]:
+        """Extents, text, value and children of the shown nodes of a level, and the states
+        of the children already listed; the next level: (node, False, its state or None)."""
         calls, slots, tables = [], [], []
-        shown = [(n, app) for n, app in level if n.ok]
+        shown = [(n, app) for n, app in wanted if n.ok]
         for n, app in shown:
             p = n.ref[1]
             if IFACE_COMPONENT in n.ifaces and not app:
                 calls.append((p, IFACE_COMPONENT, "GetExtents", "u", (0,)))
                 slots.append((n, "extents"))
             if IFACE_TEXT in n.ifaces:
-                calls.append((p, PROPS, "Get", "ss", (IFACE_TEXT, "CharacterCount")))
-                slots.append((n, "count"))
+                calls.append((p, IFACE_TEXT, "GetText", "ii", (0, -1)))
+                slots.append((n, "text"))
             if IFACE_VALUE in n.ifaces:
                 calls.append((p, PROPS, "Get", "ss", (IFACE_VALUE, "CurrentValue")))
                 slots.append((n, "value"))
             if n.role in HUGE_TABLE_ROLES and n.n_children > 2000:
                 tables.append(n)
             elif 0 < n.n_children <= 3000:
-                calls.append((p, ACC, "GetChildren", "", ()))
-                slots.append((n, "children"))
+                self.memo.listed.add(p)
+                got = listed.get(n)
+                if got is not None and _ok(got):
+                    n.children = [self._child(c) for c in got[0][:n.n_children]]
+                    for c in n.children:
+                        if c is not None:
+                            calls.append((c.ref[1], ACC, "GetState", "", ()))
+                            slots.append((c, "state"))
+                else:
+                    calls.append((p, ACC, "GetChildren", "", ()))
+                    slots.append((n, "children"))
             elif n.n_children > 3000:
                 calls += [(p, ACC, "GetChildAtIndex", "i", (i,)) for i in range(3000)]
                 slots += [(n, "child")] * 3000
         res = self.pipe.run(calls)
-        texts = []
+        long_texts, state_of = [], {}
         for (n, what), r in zip(slots, res, strict=True):
-            if what == "extents":
+            if what == "state":
+                state_of[n] = r
+            elif what == "extents":
                 n.extents = tuple(r[0]) if _ok(r) else None
-            elif what == "count":
-                if _ok(r):
-                    texts.append((n, r[0]))
+            elif what == "text":
+                # the whole text in one question, not the old walker's two (character
+                # count, then the text up to MAX_TEXT); one longer than MAX_TEXT
+                # characters is cut where the app counts characters, as the old walker asks
+                if not _ok(r):
+                    n.text = ""
+                elif len(r[0]) < MAX_TEXT:
+                    n.text = r[0] or ""
+                else:
+                    long_texts.append(n)
             elif what == "value":
                 n.value = float(r[0]) if _ok(r) else None
             elif what == "children":
                 n.children = [self._child(c) for c in r[0][:min(n.n_children, 3000)]] if _ok(r) else []
             else:  # one child of a long list, in index order
                 n.children.append(self._child(r[0]) if _ok(r) else None)
-        got = self.pipe.run([(n.ref[1], IFACE_TEXT, "GetText", "ii", (0, min(c, MAX_TEXT))) for n, c in texts])
-        for (n, _), r in zip(texts, got, strict=True):
-            n.text = (r[0] or "") if _ok(r) else ""
+        counts = self.pipe.run([(n.ref[1], PROPS, "Get", "ss", (IFACE_TEXT, "CharacterCount")) for n in long_texts])
+        cut = self.pipe.run([(n.ref[1], IFACE_TEXT, "GetText", "ii", (0, min(c[0] if _ok(c) else 0, MAX_TEXT)))
+                             for n, c in zip(long_texts, counts, strict=True)])
+        for n, c, t in zip(long_texts, counts, cut, strict=True):
+            n.text = (t[0] or "") if _ok(c) and _ok(t) else ""
         for n in tables:
             n.cells = self._visible_cells(n)
-        return [(c, False) for n, _ in shown for c in n.children if c is not None]
+        return [(c, False, state_of.get(c)) for n, _ in shown for c in n.children if c is not None]
 
     def _child(self, ref) -> Node | None:
         return None if not ref or ref[1] == NULL_PATH else Node((ref[0], ref[1]))
@@ -951,14 +997,14 @@ def _state_types(atspi) -> dict:
     return {s: st for s in STATES if (st := getattr(atspi.StateType, s.upper().replace("-", "_"), None)) is not None}
 
 
-def _app_wire(bus: Wire, name: str, path: str) -> tuple[Pipeline, str]:
+def _app_wire(bus: Wire, name: str, path: str, timeout: float = REPLY_TIMEOUT_S) -> tuple[Pipeline, str]:
     """A peer-to-peer connection to the app where it offers one (as libatspi uses: no bus
     daemon in between), else the app through the accessibility bus; and a key naming this
     app process (its direct address or its bus name: neither is reused by another)."""
     addr = bus.call_many([(name, path, "org.a11y.atspi.Application", "GetApplicationBusAddress", "", ())])[0]
     if _ok(addr) and addr[0]:
         try:
-            return Pipeline(Wire(addr[0], bus=False), None), addr[0]
+            return Pipeline(Wire(addr[0], bus=False, timeout=timeout), None), addr[0]
         except WireError as e:
             print(f"a11y: {name}: no direct connection ({e}); through the bus", file=sys.stderr)
     return Pipeline(bus, name), name
@@ -988,12 +1034,13 @@ def _save_json(path: str | None, data: dict) -> None:
 
 
 def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None,
-              memo: dict[str, AppMemo] | None = None) -> str:
+              memo: dict[str, AppMemo] | None = None, reply_timeout: float = REPLY_TIMEOUT_S) -> str:
     """The old walker's XML, fetched with batched D-Bus calls (see :class:`FastWalker`).
     ``state_dir``: where libatspi's role table and the cell objects of the last dump are
     kept between dumps (None: nothing kept). ``memo``: app key -> :class:`AppMemo`, read
     and replaced by this dump (a long-lived caller's: the desktop server's); None: every
-    question is asked."""
+    question is asked. ``reply_timeout``: the longest wait for an app's next reply (an app
+    asked for the first time makes its objects then: Calc takes seconds)."""
     deadline = time.monotonic() + seconds
     tables = role_tables(os.path.join(state_dir, "bunshin-a11y-tables.json") if state_dir else None)
     cells_file = os.path.join(state_dir, "bunshin-a11y-cells.json") if state_dir else None
@@ -1007,7 +1054,7 @@ def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None,
         session.close()
     if not _ok(addr):
         raise WireError(f"no accessibility bus: {addr}")
-    bus = Wire(addr[0], bus=True)
+    bus = Wire(addr[0], bus=True, timeout=reply_timeout)
     try:
         apps = bus.call_many([("org.a11y.atspi.Registry", ROOT_PATH, ACC, "GetChildren", "", ())])[0]
         if not _ok(apps):
@@ -1016,7 +1063,7 @@ def dump_fast(max_nodes: int, seconds: float, state_dir: str | None = None,
         for name, path in apps[0]:
             if path == NULL_PATH:
                 continue
-            pipe, app_key = _app_wire(bus, name, path)
+            pipe, app_key = _app_wire(bus, name, path, reply_timeout)
             walker = FastWalker(tables, pipe, dict(known_cells.get(app_key, {})),
                                 memo.get(app_key) if memo is not None else None)
             try:

@@ -12,7 +12,7 @@ Requests (one reply each; a failed action answers ``{"error": ...}`` and the ser
     {"op": "pyautogui", "code": "pyautogui.click(10, 20)", "timeout": 30}
     {"op": "computer_13", "action": {"action_type": "CLICK", "x": 10, "y": 20}}
     {"op": "screenshot"}  -> blob: BGRX pixels of the whole screen (fallback path)
-    {"op": "a11y_tree", "seconds": 8, "max_nodes": 3000, "memo": true}  -> blob: the
+    {"op": "a11y_tree", "seconds": 8, "max_nodes": 3000, "memo": true, "reply_timeout": 5}  -> blob: the
         accessibility tree's XML (``a11y_dump.dump_fast``, run here: a dump as its own process
         pays a Python start and its imports, 150-300 ms, on every step; every connection it
         opens is closed before it answers, so nothing of it is open across a snapshot; what
@@ -118,7 +118,8 @@ def a11y_tree(req: dict) -> tuple[dict, list[bytes]]:
     try:
         xml = a11y_dump.dump_fast(int(req.get("max_nodes") or 3000), seconds,
                                   os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
-                                  A11Y_MEMO if req.get("memo", True) else None)
+                                  A11Y_MEMO if req.get("memo", True) else None,
+                                  float(req.get("reply_timeout") or a11y_dump.REPLY_TIMEOUT_S))
     except BaseException as e:  # noqa: BLE001 - reported; the host takes the other path
         return {"error": f"{type(e).__name__}: {e}"}, []
     finally:
