@@ -66,7 +66,7 @@ class _Server:
              str(tmp / "tokens.json"), "--state-dir", str(tmp / "state"), "--close-on-exit", "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT)
         try:
-            wait_for_server(self.url, self.proc)
+            wait_for_server(self.url, self.proc, timeout=300)  # a loaded 2-core host imports slowly
         except RemoteError as e:
             raise RuntimeError(f"{e}; see {tmp / 'server.log'}") from None
 

@@ -63,8 +63,8 @@ class EnvLease(Lease):
     #: the one thread that runs this env's calls. glibc gives each thread its own malloc arena:
     #: a screenshot made and freed by whichever pool thread was free came from an arena without
     #: a free chunk of its size, ~1000 page faults (~5 ms, measured) a desktop step; on one
-    #: thread its memory is reused, as in-process
-    #: a thread that also serves the env's local channels (:mod:`bunshin_gym.serve.env_thread`)
+    #: thread its memory is reused, as in-process. The same thread reads and answers the env's
+    #: local channels' requests (:mod:`bunshin_gym.serve.env_thread`)
     runner: EnvThread = field(default_factory=EnvThread)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
