@@ -23,6 +23,13 @@ Besides the memory modes, ``share+ksm`` is share mode with its clones KSM-mergea
 ``copy-untracked`` / ``ksm-untracked`` are those modes as they were before write tracking
 (``BUNSHIN_WRITE_TRACKING=0``: a clone's snapshot records all its pages), to set the delta
 snapshot of a tracked clone beside the full one in the same run.
+
+Any label may end in ``-before`` (``share-before``, ``copy-untracked-before``): its clones are
+restored the way forks restored them before :mod:`bunshin_gym.workspace.fanout` (CRIU debug
+logs, the once-per-fork work before any clone's set-up: ``fanout.BEFORE``), to set the two
+fan-outs side by side in one run. Every fork's time is split into phases (the ``/.snap``
+view, the image copy, each clone's record and cgroup, file system, memory backend, waiting
+for a restore slot, CRIU's restore; and the agents' first answer), printed under its row.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import time
 from pathlib import Path
 
 from bunshin_gym.bench.report import summary, table, write
-from bunshin_gym.workspace import Workspace, uffd
+from bunshin_gym.workspace import Workspace, fanout, uffd
 from bunshin_gym.workspace.memory import (
     SHARE_KSM_ENV,
     MemoryMode,
@@ -149,9 +156,12 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
           f"n = {', '.join(map(str, counts))}; share mode's anonymous memory via {mechanism}")
     results: dict = {"image": image, "heap_mb": heap_mb, "share_anon_mechanism": mechanism, "modes": {}}
     for label in modes:
-        mode, env = _variant(label)
+        options, variant = _fanout_of(label)
+        mode, env = _variant(variant)
         by_uffd = uses_uffd(mode)
         src = make_source(image, heap_mb, procs)
+        restoring = fanout.using(options)  # forks and rollbacks of this label restore so
+        restoring.__enter__()
         try:
             os.environ.update(env)  # "share+ksm", "copy-untracked": what the clones made below are
             src_mem = group_memory(src.pids())
@@ -159,12 +169,12 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
             mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
                           "first_snapshot_mb": round(first.size() / 2**20, 1), "by_n": {}}
             for n in counts:
-                print(f"  {label:>9}  n={n:<2} ", end="", flush=True)
+                print(f"  {label:>12}  n={n:<2} ", end="", flush=True)
                 ksm0 = ksmd_cpu_seconds()
-                with PeakSampler() as peak:
+                with PeakSampler() as peak, fanout.tracing() as trace:
                     t0 = time.perf_counter()
                     clones = first.fork(n, mode=mode)
-                    fanout = time.perf_counter() - t0
+                    fanout_s = time.perf_counter() - t0
                 try:
                     settle = _ksm_settle(mode)
                     pids = [p for c in clones for p in c.pids()]
@@ -181,7 +191,8 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                     after_activity = group_memory([p for c in clones for p in c.pids()])
                     copied_activity = _copied(clones, by_uffd)
                     row = {
-                        "fanout_s": round(fanout, 3), "per_clone_restore_s": round(fanout / n, 3),
+                        "fanout_s": round(fanout_s, 3), "per_clone_restore_s": round(fanout_s / n, 3),
+                        "fanout_phases": _phases(trace, fanout_s),
                         "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
                         "after_restore": after_restore.as_mb(), "after_activity": after_activity.as_mb(),
                         **({"after_step": after_step.as_mb()} if all(stepped) else {}),
@@ -194,9 +205,10 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
                     if n == counts[0]:
                         row.update(_delta_and_rollback(clones[0]))
                     mres["by_n"][str(n)] = row
-                    print(f"fan-out {fanout:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
+                    print(f"fan-out {fanout_s:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
                           f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s  "
-                          f"monitor {row['monitor_cpu_s']} s")
+                          f"monitor {row['monitor_cpu_s']} s  load {os.getloadavg()[0]:.1f}")
+                    print(f"{'':17}{_phases_line(row['fanout_phases'])}")
                 finally:
                     for c in clones:
                         c.close()
@@ -205,6 +217,7 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
         finally:
             for k in env:
                 os.environ.pop(k, None)
+            restoring.__exit__(None, None, None)
             src.close()
     _summarise(results, counts)
     if plot:
@@ -215,6 +228,32 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
 
 #: a benchmarked mode's label ends so: the mode without write tracking (the path before it)
 UNTRACKED = "-untracked"
+#: a benchmarked mode's label ends so: its clones restored as forks did before ``fanout``
+BEFORE = "-before"
+
+
+def _fanout_of(label: str) -> tuple[fanout.FanoutOptions, str]:
+    """How a benchmarked mode's forks restore their clones, and the label without ``-before``."""
+    if label.endswith(BEFORE):
+        return fanout.BEFORE, label[:-len(BEFORE)]
+    return fanout.DEFAULT, label
+
+
+def _phases(trace: fanout.FanoutTrace, fanout_s: float) -> dict[str, dict]:
+    """The fork's phases (:meth:`fanout.FanoutTrace.phases`) and ``agents``: from the last
+    restore's end until the fork returned (each clone's agent answering its first call)."""
+    phases = trace.phases()
+    done = max((row["last_s"] for row in phases.values()), default=0.0)
+    phases["agents"] = {"clones": 1, "sum_s": round(fanout_s - done, 3), "first_s": round(done, 3),
+                        "last_s": round(fanout_s, 3)}
+    return phases
+
+
+def _phases_line(phases: dict[str, dict]) -> str:
+    """``name sum (first-last)`` per phase: seconds summed over the clones, and when the
+    phase's first run began and its last ended, from the fork's start."""
+    return "  ".join(f"{name} {row['sum_s']:.2f} ({row['first_s']:.2f}-{row['last_s']:.2f})"
+                     for name, row in phases.items())
 
 
 def _variant(label: str) -> tuple[MemoryMode, dict[str, str]]:
