@@ -155,7 +155,7 @@ WORKSPACE_LAYERS = [
     ["memory", "uffd", "kmod", "memstat"],  # the memory backends and the mechanisms they drive
     ["snapshots"],  # the store: metadata, lineage, CRIU images, deltas, flattening, /.snap views
     ["teardown"],
-    ["forking", "dumping", "spares"],
+    ["forking", "dumping", "spares", "fanout"],
     ["images", "pristine"],
     ["workspace", "snapshot"],  # the Workspace and Snapshot handles
     ["gc"],
