@@ -270,7 +270,14 @@ def _tree_bytes(path: Path) -> int:
     """Bytes allocated by the files under ``path`` (sparse files count what they hold)."""
     if not path.exists():
         return 0
-    return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file())
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_blocks * 512
+        except FileNotFoundError:
+            continue  # another process's copy, dropped while this walked the tree
+    return total
 
 
 def _copied(clones: list[Workspace], by_uffd: bool) -> CopiedPages | None:
