@@ -2,9 +2,11 @@
 
 At each count N (default 8, 16, 32 and 64) N rollouts of the desktop env run at once, in
 N / G groups of G (default 8) members: each group's set-up workspace (the source) is reset
-to its task, its members are forked from it and replay a recorded trajectory, every group
-of the count started together (:func:`bunshin_gym.bench.epoch.run_epoch` with all groups
-in parallel, one epoch). Two modes per count, side by side:
+to its task and its members are forked from it (``bench epoch``'s recorded trajectories,
+one epoch). No member takes its first action before all N are forked (a barrier): on a
+loaded host the groups' set-ups drift apart, and without it the first groups finished
+before the last had forked (measured: 32 "concurrent" rollouts never all live at once).
+Two modes per count, side by side:
 
 - **copy-base**: the members are private-copy forks (as plain CRIU: every clone restores
   its own copy of the memory);
@@ -23,14 +25,26 @@ is not run for that mode and the stop is reported, with the projection.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import shutil
-import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bunshin_gym.bench.epoch import OSWORLD, TASKS, ThinkTime, _ModeState, make_trajectories, run_epoch
+from bunshin_gym.bench.epoch import (
+    ENV_KWARGS,
+    OSWORLD,
+    TASKS,
+    ThinkTime,
+    WorkspaceMemorySampler,
+    _parts_at_peak,
+    _parts_trace,
+    make_trajectories,
+    memory_figures,
+    running_curve,
+)
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.workspace.memstat import meminfo
 
@@ -49,6 +63,64 @@ def project(points: list[dict], count: int) -> int | None:
         return None
     last = max(points, key=lambda p: p["rollouts"])
     return int(last["peak_mb"] * 2**20 * count / last["rollouts"])
+
+
+def run_concurrently(recs: list[dict], *, env_id: str, group: int, mode: str,
+                     barrier_timeout_s: float = 1800.0) -> dict:
+    """Every group of ``recs`` at once in ``mode`` (``copy-base``: private-copy forks,
+    ``share-base``: share forks), each member held before its first action until every
+    member of every group is forked; memory sampled as ``bench epoch`` samples it."""
+    import gymnasium as gym
+
+    n = len(recs) * group
+    barrier = threading.Barrier(n)
+    kwargs = dict(ENV_KWARGS[env_id], memory_mode="copy" if mode == "copy-base" else "share")
+    clock = time.perf_counter()
+    released: list[float] = []
+    results: list[list] = [[] for _ in recs]
+
+    def one(k: int) -> None:
+        rec = recs[k]
+        members = rec["members"]
+        env_kwargs = dict(kwargs, action_space=rec["kind"]) if env_id == OSWORLD else kwargs
+        ends = [0.0] * group
+        try:
+            envs = gym.make_vec(env_id, num_envs=group, vectorization_mode="vector_entry_point", **env_kwargs)
+        except BaseException:
+            barrier.abort()  # the others would wait for members that never come
+            raise
+
+        def policy(i: int, obs: object, hist: list) -> object:
+            if not hist:
+                if barrier.wait(barrier_timeout_s) == 0:
+                    released.append(time.perf_counter() - clock)
+            time.sleep(members[i]["think"][len(hist)])
+            return members[i]["actions"][len(hist)]
+
+        def on_step(i: int, step: object) -> None:
+            ends[i] = time.perf_counter() - clock
+
+        try:
+            trajs = envs.run_group(policy, options={"task": rec["task"]}, on_step=on_step)
+        except BaseException:
+            barrier.abort()
+            raise
+        finally:
+            envs.close()
+        results[k] = [(t.reward, ends[t.member], t.error) for t in trajs]
+
+    with WorkspaceMemorySampler(clock=clock) as mem, \
+            ThreadPoolExecutor(max_workers=len(recs), thread_name_prefix="group") as pool:
+        list(pool.map(one, range(len(recs))))
+    wall = time.perf_counter() - clock
+    start = released[0] if released else 0.0
+    spans = [(round(start, 2), round(end, 2)) for rs in results for _, end, _ in rs]
+    trace = [(round(t, 2), m) for t, m in mem.samples]
+    return {"wall_s": round(wall, 2), "all_forked_s": round(start, 2),
+            "rewards": [r for rs in results for r, _, _ in rs],
+            "errors": [e for rs in results for _, _, e in rs if e], "running": running_curve(spans),
+            "memory": memory_figures(trace), "memory_trace": [(t, round(m / 2**20, 1)) for t, m in trace],
+            "memory_parts_at_peak": _parts_at_peak(mem), "memory_parts_trace": _parts_trace(mem)}
 
 
 def _host_used() -> tuple[int, int]:
@@ -75,49 +147,49 @@ def run(json_path: str | None = None, *, counts: tuple[int, ...] = COUNTS, group
           f"modes {', '.join(modes)}; stop where a projection passes {host_fraction:.0%} of host memory; "
           f"load average {load0[0]:.1f}", flush=True)
     print(f"think time: {think.describe()}", flush=True)
-    work = Path(tempfile.mkdtemp(prefix="bunshin-bench-scaling-"))
     points: dict[str, list[dict]] = {m: [] for m in modes}
     stopped: dict[str, dict] = {}
     trajectories: dict[int, list[dict]] = {}
     t_run = time.perf_counter()
-    try:
-        for k, count in enumerate(sorted(counts)):
-            tasks = TASKS[env_id][:count // group]
-            recs = make_trajectories(env_id, tasks, group=group, epochs=1, seed=seed, think=think)
-            trajectories[count] = recs
-            order = list(modes) if k % 2 == 0 else list(reversed(modes))  # drift hits both alike
-            for mode in order:
-                if mode in stopped:
-                    continue
-                want = project(points[mode], count)
-                used, total = _host_used()
-                if want is not None and used + want > host_fraction * total:
-                    stopped[mode] = {"at": count, "projected_mb": round(want / 2**20, 1),
-                                     "host_used_mb": round(used / 2**20, 1), "host_total_mb": round(total / 2**20, 1),
-                                     "reason": f"{count} rollouts projected at {want / 2**20:.0f} MB with the host "
-                                               f"using {used / 2**20:.0f} of {total / 2**20:.0f} MB: past "
-                                               f"{host_fraction:.0%}"}
-                    print(f"  {mode:>10} {count:>3} rollouts: not run, {stopped[mode]['reason']}", flush=True)
-                    continue
-                load = os.getloadavg()
-                e = run_epoch(_ModeState(mode, work), recs, env_id=env_id, group=group, parallel=0,
-                              min_speculate_s=0.0)
-                used_after, _ = _host_used()
-                point = {"rollouts": count, "groups": len(recs), "peak_mb": e["memory"]["peak_mb"],
-                         "per_rollout_mb": round(e["memory"]["peak_mb"] / count, 1),
-                         "integral_gb_s": e["memory"]["integral_gb_s"], "parts_at_peak": e["memory_parts_at_peak"],
-                         "most_workspaces": max((row[-1] for row in e["memory_parts_trace"]), default=0),
-                         "most_running": max((n for _, n in e["running"]), default=0), "wall_s": e["wall_s"],
-                         "rewards": e["rewards"], "memory_trace": e["memory_trace"],
-                         "load_average_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
-                         "host_used_mb_after": round(used_after / 2**20, 1)}
-                points[mode].append(point)
-                print(f"  {mode:>10} {count:>3} rollouts: peak {point['peak_mb']} MB ({point['per_rollout_mb']} per "
-                      f"rollout; parts {point['parts_at_peak']}), {point['most_workspaces']} workspaces at most, "
-                      f"{point['most_running']} running at most, {point['wall_s']} s, load "
-                      f"{point['load_average_1m']}", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    for k, count in enumerate(sorted(counts)):
+        tasks = TASKS[env_id][:count // group]
+        recs = make_trajectories(env_id, tasks, group=group, epochs=1, seed=seed, think=think)
+        trajectories[count] = recs
+        order = list(modes) if k % 2 == 0 else list(reversed(modes))  # drift hits both alike
+        for mode in order:
+            if mode in stopped:
+                continue
+            want = project(points[mode], count)
+            used, total = _host_used()
+            if want is not None and used + want > host_fraction * total:
+                stopped[mode] = {"at": count, "projected_mb": round(want / 2**20, 1),
+                                 "host_used_mb": round(used / 2**20, 1), "host_total_mb": round(total / 2**20, 1),
+                                 "reason": f"{count} rollouts projected at {want / 2**20:.0f} MB with the host "
+                                           f"using {used / 2**20:.0f} of {total / 2**20:.0f} MB: past "
+                                           f"{host_fraction:.0%}"}
+                print(f"  {mode:>10} {count:>3} rollouts: not run, {stopped[mode]['reason']}", flush=True)
+                continue
+            load = os.getloadavg()
+            e = run_concurrently(recs, env_id=env_id, group=group, mode=mode)
+            used_after, _ = _host_used()
+            point = {"rollouts": count, "groups": len(recs), "peak_mb": e["memory"]["peak_mb"],
+                     "all_forked_s": e["all_forked_s"], "errors": e["errors"],
+                     "per_rollout_mb": round(e["memory"]["peak_mb"] / count, 1),
+                     "integral_gb_s": e["memory"]["integral_gb_s"], "parts_at_peak": e["memory_parts_at_peak"],
+                     "most_workspaces": max((row[-1] for row in e["memory_parts_trace"]), default=0),
+                     "most_running": max((n for _, n in e["running"]), default=0), "wall_s": e["wall_s"],
+                     "rewards": e["rewards"], "memory_trace": e["memory_trace"],
+                     "load_average_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
+                     "host_used_mb_after": round(used_after / 2**20, 1)}
+            points[mode].append(point)
+            if json_path:  # what is measured so far survives a run stopped before its end
+                Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+                Path(json_path).write_text(json.dumps({"benchmark": "scaling", "partial": True, "env": env_id,
+                                                       "group": group, "modes": points, "stopped": stopped}))
+            print(f"  {mode:>10} {count:>3} rollouts: peak {point['peak_mb']} MB ({point['per_rollout_mb']} per "
+                  f"rollout; parts {point['parts_at_peak']}), {point['most_workspaces']} workspaces at most, "
+                  f"{point['most_running']} running at most, {point['wall_s']} s, load "
+                  f"{point['load_average_1m']}", flush=True)
     res: dict = {"env": env_id, "group": group, "counts": list(counts), "seed": seed, "host_fraction": host_fraction,
                  "think": think.describe(), "modes": points, "stopped": stopped,
                  "run_s": round(time.perf_counter() - t_run, 1),
