@@ -102,9 +102,11 @@ def run_concurrently(recs: list[dict], *, env_id: str, group: int, mode: str,
 
         try:
             trajs = envs.run_group(policy, options={"task": rec["task"]}, on_step=on_step)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 - a group whose set-up fails is reported; the others go on
             barrier.abort()
-            raise
+            log.warning("bench scaling: group %s (%s) failed: %s", k, rec["task"], e)
+            results[k] = [(0.0, 0.0, f"group set-up failed: {e}")]
+            return
         finally:
             envs.close()
         results[k] = [(t.reward, ends[t.member], t.error) for t in trajs]
@@ -182,28 +184,42 @@ def run(json_path: str | None = None, *, counts: tuple[int, ...] = COUNTS, group
                      "load_average_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
                      "host_used_mb_after": round(used_after / 2**20, 1)}
             points[mode].append(point)
-            if json_path:  # what is measured so far survives a run stopped before its end
-                Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-                Path(json_path).write_text(json.dumps({"benchmark": "scaling", "partial": True, "env": env_id,
-                                                       "group": group, "modes": points, "stopped": stopped}))
             print(f"  {mode:>10} {count:>3} rollouts: peak {point['peak_mb']} MB ({point['per_rollout_mb']} per "
                   f"rollout; parts {point['parts_at_peak']}), {point['most_workspaces']} workspaces at most, "
                   f"{point['most_running']} running at most, {point['wall_s']} s, load "
                   f"{point['load_average_1m']}", flush=True)
-    res: dict = {"env": env_id, "group": group, "counts": list(counts), "seed": seed, "host_fraction": host_fraction,
-                 "think": think.describe(), "modes": points, "stopped": stopped,
-                 "run_s": round(time.perf_counter() - t_run, 1),
-                 "load_average": {"start": [round(x, 2) for x in load0],
-                                  "end": [round(x, 2) for x in os.getloadavg()]}}
-    res["ratios"] = ratios(points)
+            if json_path:  # what is measured so far survives a run stopped before its end
+                _save(json_path, _results(env_id, group, counts, seed, host_fraction, think, points, stopped,
+                                          trajectories, t_run, load0), partial=True)
+    res = _results(env_id, group, counts, seed, host_fraction, think, points, stopped, trajectories, t_run, load0)
+    return _save(json_path, res)
+
+
+def _results(env_id: str, group: int, counts: tuple[int, ...], seed: int, host_fraction: float, think: ThinkTime,
+             points: dict, stopped: dict, trajectories: dict, t_run: float, load0: tuple[float, ...]) -> dict:
+    return {"env": env_id, "group": group, "counts": list(counts), "seed": seed, "host_fraction": host_fraction,
+            "think": think.describe(), "modes": points, "stopped": stopped,
+            "run_s": round(time.perf_counter() - t_run, 1),
+            "load_average": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in os.getloadavg()]},
+            "trajectories": {str(c): t for c, t in trajectories.items()}}
+
+
+def _save(json_path: str | None, res: dict, *, partial: bool = False) -> dict:
+    """The table (printed unless ``partial``, and ``.txt``), the PNG and the JSON of ``res``."""
+    res["ratios"] = ratios(res["modes"])
+    res["partial"] = partial
     text = summarise(res)
-    print(text)
-    res["trajectories"] = {str(c): t for c, t in trajectories.items()}
+    if not partial:
+        print(text)
     if json_path:
         prefix = json_path.rsplit(".", 1)[0]
         Path(prefix + ".txt").parent.mkdir(parents=True, exist_ok=True)
         Path(prefix + ".txt").write_text(text + "\n")
         res["figure"] = plot(res, prefix + ".png")
+    if partial:
+        if json_path:
+            Path(json_path).write_text(json.dumps(res, indent=1))
+        return res
     return write("scaling", res, json_path)
 
 
@@ -227,7 +243,8 @@ def summarise(res: dict) -> str:
             rows.append([mode, p["rollouts"], p["groups"], p["peak_mb"], p["per_rollout_mb"], parts.get("cgroups"),
                          parts.get("page_images"), parts.get("monitors"), p["most_workspaces"], p["most_running"],
                          p["wall_s"], f"{p['load_average_1m'][0]}-{p['load_average_1m'][1]}"])
-    lines = [f"{res['env']}: concurrent rollouts in groups of G={res['group']} (sources included); think time "
+    lines = [f"{res['env']}: concurrent rollouts in groups of G={res['group']} (sources included)"
+             f"{' (partial: the run was still going)' if res.get('partial') else ''}; think time "
              f"{res['think']}",
              f"load average (1, 5, 15 min) at start {res['load_average']['start']}, "
              f"at end {res['load_average']['end']}",
