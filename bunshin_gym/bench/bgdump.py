@@ -23,6 +23,7 @@ from pathlib import Path
 
 from bunshin_gym.bench.fork import make_source
 from bunshin_gym.config import background_dump
+from bunshin_gym.workspace.errors import ForkError
 
 ENV = "BUNSHIN_BACKGROUND_DUMP"
 
@@ -36,8 +37,16 @@ def _snapshot(ws, background: bool) -> tuple[dict, object]:
     os.environ[ENV] = "1" if background else "0"
     try:
         assert background_dump() == background
-        t = time.perf_counter()
-        snap = ws.snapshot()
+        for attempt in range(3):
+            t = time.perf_counter()
+            try:
+                snap = ws.snapshot()
+                break
+            except ForkError as e:  # a desktop just booted can hold fds in flight a moment
+                if attempt == 2:
+                    raise
+                print(f"  snapshot failed, again in 2 s: {e}")
+                time.sleep(2)
         total = round((time.perf_counter() - t) * 1000, 1)
     finally:
         if old is None:
