@@ -48,7 +48,7 @@ from bunshin_gym.bench.epoch import (
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.workspace.memstat import meminfo
 
-__all__ = ["COUNTS", "MODES", "plot", "project", "run", "summarise"]
+__all__ = ["COUNTS", "MODES", "plot", "project", "refigure", "run", "summarise"]
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,12 @@ def run(json_path: str | None = None, *, counts: tuple[int, ...] = COUNTS, group
     return _save(json_path, res)
 
 
+def refigure(json_path: str) -> dict:
+    """The table and the PNG of a saved run again (no rerun)."""
+    res = json.loads(Path(json_path).read_text())
+    return _save(json_path, res, partial=res.get("partial", False))
+
+
 def _results(env_id: str, group: int, counts: tuple[int, ...], seed: int, host_fraction: float, think: ThinkTime,
              points: dict, stopped: dict, trajectories: dict, t_run: float, load0: tuple[float, ...]) -> dict:
     return {"env": env_id, "group": group, "counts": list(counts), "seed": seed, "host_fraction": host_fraction,
@@ -274,10 +280,12 @@ def plot(res: dict, path: str) -> str:
                     xytext=(0, -12), ha="center", fontsize=8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(res["counts"], [str(c) for c in res["counts"]])
-    ax.set(xlabel="concurrent rollouts", ylabel="peak memory (GiB): workspaces' cgroups + page images + monitors")
+    ax.set(xlabel="concurrent rollouts", ylabel="peak memory (GiB)")
+    ax.set_ylim(bottom=0)
     stops = "; ".join(f"{m} stopped at {s['at']}" for m, s in res["stopped"].items())
-    ax.set_title(f"peak memory vs concurrent rollouts, {res['env']} (G={res['group']}, sources included)"
-                 + (f"\n{stops}" if stops else ""), fontsize=8)
+    ax.set_title(f"peak memory vs concurrent rollouts, {res['env']} (G={res['group']}, sources included)\n"
+                 "the workspaces' cgroups + their tmpfs page images + their monitors"
+                 + (" (partial run)" if res.get("partial") else "") + (f"\n{stops}" if stops else ""), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

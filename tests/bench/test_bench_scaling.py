@@ -63,6 +63,9 @@ def test_a_count_projected_past_the_host_share_is_not_run_and_is_reported(tmp_pa
     text = (tmp_path / "scaling.txt").read_text()
     assert "copy-base stopped at 16 rollouts" in text and "share / copy" in text
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "scaling.png").unlink()
+    again = S.refigure(str(path))  # the figures of a saved run, redrawn
+    assert again["ratios"] == doc["ratios"] and (tmp_path / "scaling.png").exists()
 
 
 @pytest.mark.slow
