@@ -334,13 +334,17 @@ def _fan_out(snap: StoredSnapshot, recs: list[records.Record], backend: memory.M
                 prepared.result()
                 with fanout.phase("backend", rec.id):  # e.g. share's uffd monitor
                     plan = memory.for_record(rec).restore(snap, rec, p, None)
-            with fanout.phase("queue", rec.id), slots:
+            with fanout.phase("queue", rec.id):  # the wait for a restore slot only
+                slots.acquire()
+            try:
                 if failed.is_set():
                     raise _NotStarted(f"{rec.id}: not restored, another clone of the fork failed")
                 with fanout.phase("criu", rec.id):
                     proc = _start_restore(snap, rec, p, None, viewed.result(), plan=plan,
                                           verbosity=options.restore_verbosity)
                     _finish_restore(rec, proc, p)
+            finally:
+                slots.release()
         except BaseException:
             failed.set()
             raise
