@@ -317,6 +317,8 @@ def parser() -> argparse.ArgumentParser:
                          "density: default share,share+ksm,copy; "
                          "share+ksm: share with its clones KSM-mergeable (BUNSHIN_SHARE_KSM=1); "
                          "fork: copy-untracked, ksm-untracked: without write tracking (full delta snapshots); "
+                         "fork: any label ending in -before (share-before): clones restored by the fork path "
+                         "before bunshin_gym/workspace/fanout.py; "
                          "train: the runs in turn (default base,full,base)")
     be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
     be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
