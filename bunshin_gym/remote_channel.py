@@ -36,7 +36,7 @@ from websockets.uri import parse_uri
 
 from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve.codec import CHANNEL_TIMING as TIMING
-from bunshin_gym.serve.codec import LOCAL_ANSWER, LOCAL_ERROR, LOCAL_HEADER, LOCAL_JSON, LOCAL_OK
+from bunshin_gym.serve.codec import LOCAL_ANSWER, LOCAL_ERROR, LOCAL_HEADER, LOCAL_JSON, LOCAL_OK, recv_exact
 
 #: the largest answer accepted (a whole 4K RGB frame is 25 MB before compression)
 MAX_MESSAGE = 256 << 20
@@ -307,21 +307,10 @@ def _send(sock: socket.socket, kind: int, data: bytes) -> None:
 
 def _receive(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
     """One message of a local channel (at most ``limit`` bytes, else ChannelError)."""
-    kind, n = LOCAL_HEADER.unpack(_exactly(sock, LOCAL_HEADER.size))
+    kind, n = LOCAL_HEADER.unpack(recv_exact(sock, LOCAL_HEADER.size))
     if n > limit:
         raise ChannelError(f"an answer of {n} bytes (at most {limit} are taken)")
-    return kind, _exactly(sock, n)
-
-
-def _exactly(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the server closed the connection")
-        got += k
-    return buf
+    return kind, recv_exact(sock, n)
 
 
 class ChannelRefusal(BunshinError, RuntimeError):

@@ -25,6 +25,7 @@ Bytes values travel as blobs too. Spaces travel as JSON descriptions (:func:`spa
 from __future__ import annotations
 
 import json
+import socket
 import struct
 import threading
 from collections.abc import Callable, Mapping
@@ -54,6 +55,19 @@ LOCAL_JSON = 1
 #: server to client: an answer (``CHANNEL_TIMING`` then a frame); an error (JSON, the HTTP
 #: status and message of the same error); the hello accepted (empty)
 LOCAL_ANSWER, LOCAL_ERROR, LOCAL_OK = 2, 3, 4
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` bytes of a local channel (either side); EOFError when the connection
+    ends first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the connection ended")
+        got += k
+    return buf
 
 
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:

@@ -52,6 +52,7 @@ from bunshin_gym.serve.codec import (
     LOCAL_HEADER,
     LOCAL_JSON,
     LOCAL_OK,
+    recv_exact,
 )
 from bunshin_gym.serve.envs_api import EnvLease
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
@@ -71,18 +72,6 @@ MAX_HANDSHAKES = 32
 
 class MessageError(Exception):
     """A message that breaks the protocol (too long, of a kind not expected here)."""
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Exactly ``n`` bytes; EOFError when the connection ends first."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the connection ended")
-        got += k
-    return buf
 
 
 def read_message(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
