@@ -41,3 +41,12 @@ def write(name: str, results: dict, json_path: str | None) -> dict:
         Path(json_path).write_text(json.dumps(doc, indent=1))
         print(f"\nwritten: {json_path}")
     return doc
+
+
+def write_text_beside(json_path: str, text: str) -> str:
+    """Write a benchmark's table to the ``.txt`` beside its JSON; returns the shared path
+    prefix (``bench/results/NAME``), which its figures are named after."""
+    prefix = json_path.rsplit(".", 1)[0]
+    Path(prefix + ".txt").parent.mkdir(parents=True, exist_ok=True)
+    Path(prefix + ".txt").write_text(text + "\n")
+    return prefix

@@ -45,7 +45,7 @@ from bunshin_gym.bench.epoch import (
     memory_figures,
     running_curve,
 )
-from bunshin_gym.bench.report import table, write
+from bunshin_gym.bench.report import table, write, write_text_beside
 from bunshin_gym.workspace.memstat import meminfo
 
 __all__ = ["COUNTS", "MODES", "plot", "project", "refigure", "run", "summarise"]
@@ -218,10 +218,7 @@ def _save(json_path: str | None, res: dict, *, partial: bool = False) -> dict:
     if not partial:
         print(text)
     if json_path:
-        prefix = json_path.rsplit(".", 1)[0]
-        Path(prefix + ".txt").parent.mkdir(parents=True, exist_ok=True)
-        Path(prefix + ".txt").write_text(text + "\n")
-        res["figure"] = plot(res, prefix + ".png")
+        res["figure"] = plot(res, write_text_beside(json_path, text) + ".png")
     if partial:
         if json_path:
             Path(json_path).write_text(json.dumps(res, indent=1))

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bunshin_gym.bench.report import table, write
+from bunshin_gym.bench.report import table, write, write_text_beside
 from bunshin_gym.train.args import Args
 
 __all__ = ["MODES", "agreement", "mode_args", "plot", "run", "summarise"]
@@ -141,10 +141,7 @@ def run(json_path: str | None = None, *, base: Args | None = None, runs: tuple[s
     text = summarise(res)
     print(text)
     if json_path:
-        prefix = json_path.rsplit(".", 1)[0]
-        Path(prefix + ".txt").parent.mkdir(parents=True, exist_ok=True)
-        Path(prefix + ".txt").write_text(text + "\n")
-        res["figure"] = plot(res, prefix + "-rewards.png")
+        res["figure"] = plot(res, write_text_beside(json_path, text) + "-rewards.png")
     return write("train", res, json_path)
 
 
