@@ -213,6 +213,18 @@ def _cmd_bench(args) -> int:
                     group=args.group or 8, modes=tuple((args.modes or ",".join(scaling.MODES)).split(",")),
                     seed=args.seed, think=epoch.ThinkTime(scale=args.think_scale))
         return 0
+    if args.name == "bgdump":
+        from bunshin_gym.bench import bgdump
+
+        bgdump.run(args.image or "base", args.heap_mb, args.rounds, args.json)
+        return 0
+    if args.name == "fanout":
+        from bunshin_gym.bench import fanout
+
+        fanout.run(args.json, image=args.image or "osworld",
+                   counts=tuple(int(x) for x in (args.counts or "1,8,16").split(",")),
+                   modes=tuple((args.modes or "share,copy").split(",")))
+        return 0
     if args.name == "train":
         from bunshin_gym.train import compare
         from bunshin_gym.train.args import Args
@@ -306,11 +318,13 @@ def parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="run a benchmark")
     be.add_argument("name", choices=["workspace", "fork", "rollout", "epoch", "env", "containment", "soak", "serve",
-                                        "cluster", "density", "scaling", "train"])
+                                        "cluster", "density", "scaling", "train", "bgdump", "fanout"])
     be.add_argument("--json", default=None, help="write the results to this JSON file")
-    be.add_argument("--image", default=None, help="fork: workspace image (default base)")
-    be.add_argument("--counts", default=None, help="fork, env: clone counts (default 1,2,4,8,16; env: 1,8,16); "
-                                                      "scaling: concurrent rollouts (default 8,16,32,64)")
+    be.add_argument("--image", default=None,
+                    help="fork, bgdump: workspace image (default base); fanout: (default osworld)")
+    be.add_argument("--counts", default=None,
+                    help="fork, env, fanout: clone counts (default 1,2,4,8,16; env, fanout: 1,8,16); "
+                         "scaling: concurrent rollouts (default 8,16,32,64)")
     be.add_argument("--modes", default=None,
                     help="fork, env: memory modes (default copy,ksm,share,share+ksm,map-anon; env: share,copy); "
                          "epoch: rollout modes (default copy-base,share-base,spec,full); "
@@ -319,9 +333,9 @@ def parser() -> argparse.ArgumentParser:
                          "fork: copy-untracked, ksm-untracked: without write tracking (full delta snapshots); "
                          "fork: any label ending in -before (share-before): clones restored by the fork path "
                          "before bunshin_gym/workspace/fanout.py; "
-                         "train: the runs in turn (default base,full,base)")
+                         "train: the runs in turn (default base,full,base); fanout: default share,copy")
     be.add_argument("--env", default=None, help="env, epoch: the env id to measure, e.g. Bunshin-WebArena-v0")
-    be.add_argument("--heap-mb", type=int, default=300, help="fork: heap held by the source's processes")
+    be.add_argument("--heap-mb", type=int, default=300, help="fork, bgdump: heap held by the source's processes")
     be.add_argument("--plot", default=None, help="fork, rollout: PNG path (default: next to the JSON)")
     be.add_argument("--epochs", type=int, default=None, help="rollout, epoch: epochs per mode (default 3)")
     be.add_argument("--group", type=int, default=None,
@@ -340,7 +354,7 @@ def parser() -> argparse.ArgumentParser:
                          "2%% of its workspaces' peak memory)")
     be.add_argument("--before", default=None,
                     help="containment: git revision to compare with (default 7213947, the last without containment)")
-    be.add_argument("--rounds", type=int, default=2, help="containment: interleaved rounds of each side")
+    be.add_argument("--rounds", type=int, default=2, help="containment, bgdump: interleaved rounds of each side")
     be.add_argument("--cycles", type=int, default=500, help="soak: fork/close cycles of phase 1")
     be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")
