@@ -23,9 +23,8 @@ from pathlib import Path
 
 from bunshin_gym.bench.fork import make_source
 from bunshin_gym.config import background_dump
+from bunshin_gym.workspace.dumping import BACKGROUND_DUMP_ENV as ENV
 from bunshin_gym.workspace.errors import ForkError
-
-ENV = "BUNSHIN_BACKGROUND_DUMP"
 
 
 def _load() -> str:

@@ -43,6 +43,7 @@ import time
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve.auth import Principal
 from bunshin_gym.serve.channel import error_of, parse_request
 from bunshin_gym.serve.codec import (
@@ -70,7 +71,7 @@ IO_TIMEOUT = 30.0
 MAX_HANDSHAKES = 32
 
 
-class MessageError(Exception):
+class MessageError(BunshinError):
     """A message that breaks the protocol (too long, of a kind not expected here)."""
 
 

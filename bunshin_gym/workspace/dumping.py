@@ -55,6 +55,8 @@ from bunshin_gym.workspace import records
 log = logging.getLogger(__name__)
 
 MARKER = ".in-progress"
+#: the switch of background dumps (``config.background_dump``), for benchmarks that set it
+BACKGROUND_DUMP_ENV = "BUNSHIN_BACKGROUND_DUMP"
 
 #: kernel functions a task sleeps in uninterruptibly while waiting for another task, in which
 #: CRIU cannot stop it (wchan names, /proc/PID/wchan)
