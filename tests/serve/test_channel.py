@@ -17,7 +17,7 @@ import pytest
 import bunshin_gym  # noqa: F401 - registers the envs
 from bunshin_gym.errors import ResetNeeded
 from bunshin_gym.remote import RemoteEnv, RemoteError
-from bunshin_gym.remote_channel import Channel, ChannelError, ChannelRefusal
+from bunshin_gym.remote_channel import Channel, ChannelError, ChannelRefusal, LocalChannel
 
 from .conftest import ALICE, BOB
 
@@ -110,11 +110,13 @@ def test_the_channel_has_the_http_api_s_auth(server, opts):
         Channel(server.url, env.remote_id, ALICE, 10).call("step", {"action": "true"})
 
 
-def test_a_dropped_channel_is_opened_again_and_a_broken_request_is_not_sent_twice(server, opts):
-    env = RemoteEnv(ENV, server.url, token=ALICE, channel="websocket")
+@pytest.mark.parametrize("channel", ["websocket", True], ids=["websocket", "local"])  # True: the local one here
+def test_a_dropped_channel_is_opened_again_and_a_broken_request_is_not_sent_twice(server, opts, channel):
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel=channel)
     try:
         env.reset(options=TASK)
         env.step("echo 1 >> /tmp/count")
+        assert isinstance(env._channel, LocalChannel) == (channel is True)
         sock = env._channel._sock
         cut = threading.Timer(0.5, sock.shutdown, (socket.SHUT_RDWR,))  # the connection drops mid-step
         cut.start()
