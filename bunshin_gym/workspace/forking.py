@@ -262,7 +262,7 @@ def restore_clones(snap: StoredSnapshot, recs: list[records.Record], backend: me
     Raises the first :class:`ForkError` (naming the others) once all are done; the caller
     reclaims every clone then. How: :func:`fanout.current` (``fanout.BEFORE``: as before it)."""
     options = fanout.current()
-    if not (backend.one_by_one or not options.overlap_prepare):
+    if options.overlap_prepare and not backend.one_by_one:
         _fan_out(snap, recs, backend, options)
         return
     p = snap._p
