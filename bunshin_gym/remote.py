@@ -224,18 +224,17 @@ class RemoteEnv(gym.Env):
         if self._use_channel:
             if self._channel is None:
                 self._channel = self._new_channel(local=self._use_channel is True)
+            prepare = self._held.prepare if self._held is not None else None
             t0 = time.perf_counter()
             try:
                 try:
-                    data, server_s, encode_s = self._channel.call(
-                        what, body, self._held.prepare if self._held is not None else None)
+                    data, server_s, encode_s = self._channel.call(what, body, prepare)
                 except ChannelUnavailable as e:
                     # not on the server's host (or not in its network namespace): nothing was sent
                     log.info("%s: %s; a WebSocket channel instead", self.remote_id, e)
                     self._use_channel = "websocket"
                     self._channel = self._new_channel(local=False)
-                    data, server_s, encode_s = self._channel.call(
-                        what, body, self._held.prepare if self._held is not None else None)
+                    data, server_s, encode_s = self._channel.call(what, body, prepare)
             except ChannelRefusal as e:
                 if e.status == 409 and e.error == "ResetNeeded":
                     raise ResetNeeded(str(e)) from None  # as the local env raises it
