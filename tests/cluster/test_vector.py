@@ -121,9 +121,10 @@ def test_a_cluster_group_is_placed_where_its_task_is_cached_and_survives_its_hos
             assert list(c.dead) == [holder] and c.index.entries(holder) == []
             obs, info = envs.reset(options={"task": TASK})  # placed again, on the host left
             assert envs.host == other and info["task_id"] == TASK
-            _, rewards, *_ = envs.step([oracle[0], "echo 0 > answer.txt"])
-            _, rewards, *_ = envs.step(["DONE", "DONE"])
-            assert list(rewards) == [1.0, 0.0]
+            stepped = envs.step([oracle[0], "echo 0 > answer.txt"])
+            _, rewards, _, _, infos = envs.step(["DONE", "DONE"])
+            # (what each member saw, should a member's workspace have failed on the new host)
+            assert list(rewards) == [1.0, 0.0], {"first step": stepped, "done": infos}
         finally:
             envs.close()
         report = c.shutdown()
