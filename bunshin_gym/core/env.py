@@ -313,6 +313,25 @@ class WorkspaceEnv(gym.Env):
         return obs, {"task_id": task.id, "instruction": task.instruction}
 
     @_locked
+    def reset_to(self, start: EnvSnapshot, *, seed: int | None = None) -> None:
+        """Begin an episode at ``start``, a task's state right after its set-up kept from an
+        earlier reset (a prefix cache's task start), without setting the task up again: the
+        workspace is forked from it lazily, on first use, and ``start`` is this episode's
+        reset snapshot. The caller holds the observation of that state (recorded with it):
+        nothing is observed here. As :meth:`rollback`, the env's episode state is the
+        snapshot's."""
+        gym.Env.reset(self, seed=seed)
+        self._check_open()
+        if self._ws is not None:  # a later episode of this env: its old workspace is not needed
+            self.release_connections()
+            self._ws.close()
+            self._ws = None
+        self._pending = self._reset_snap = start
+        self.task, self.steps, self.done = start.task, start.steps, start.done
+        self.restore_episode_state(copy.deepcopy(start.state))
+        self._reset_is_current = True  # lazy clones fork ``start`` itself, no new snapshot
+
+    @_locked
     def step(self, action: Any):
         """One action. Never raises for a bad action or a failed workspace: a malformed,
         impossible or failing action puts its error in ``info["error"]`` and the episode

@@ -125,7 +125,7 @@ class GroupVectorEnv(VectorEnv):
     def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
         """Set the task up once in the root workspace and fork the G members from it."""
         self._close_members()
-        obs, info = self.root.reset(seed=seed if isinstance(seed, int) else None, options=options)
+        obs, info = self._reset_root(seed if isinstance(seed, int) else None, options)
         self.task_id = info.get("task_id")
         members = self.root.unwrapped.clone(self.num_envs, lazy=self.lazy)
         for i, env in enumerate(members):
@@ -142,6 +142,17 @@ class GroupVectorEnv(VectorEnv):
                                                  instruction=info.get("instruction") or "", obs=obs)
         self._last = [(obs, 0.0, False, False, dict(info)) for _ in members]
         return self._batch_obs([obs] * self.num_envs), {"task_id": self.task_id, "instruction": info.get("instruction")}
+
+    def _reset_root(self, seed: int | None, options: dict | None) -> tuple[Any, dict]:
+        """The root's reset: the task set up in its workspace; with a cache that keeps the
+        task's start (an earlier group's set-up, which the members would fork anyway), that
+        start as it is, with its reset's observation and info: no set-up runs."""
+        kept = self.cache.kept_start(self.root, options) if self.cache is not None else None
+        if kept is None:
+            return self.root.reset(seed=seed, options=options)
+        start, obs, info = kept
+        self.root.unwrapped.reset_to(start, seed=seed)
+        return obs, info
 
     def step(self, actions):
         """Step every active member with its action (members that finished are skipped and

@@ -25,6 +25,10 @@ service and from memory) and counts it in ``stats.nondeterministic``. The episod
 found it goes on without the cache ("off the tree": every call executes), since its live
 workspace is no longer the state the recorded results describe.
 
+The task's set-up is the tree's root: the first group's start is kept (its snapshot, which
+every later group's members fork, and its reset's observation and info), and a later
+group starts there without setting the task up (:meth:`PrefixCache.kept_start`).
+
 A hit is valid only for the same task (id and definition), the same image and the same
 full prefix. Snapshots stay on disk in the snapshot store; hot ones are kept in memory
 under a byte budget by an ancestor-aware LRU (:class:`Residency`), by default a small share
@@ -63,6 +67,7 @@ from typing import Any
 import gymnasium as gym
 
 from bunshin_gym.core.env import EnvSnapshot
+from bunshin_gym.core.task import Task
 from bunshin_gym.core.wrappers import BunshinWrapper
 from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text, same_observation
@@ -91,6 +96,10 @@ class Node:
     hits: int = 0
     nondeterministic: bool = False  # a replay of it gave another observation: never served
     start: str | None = None  # (roots) the task's start snapshot, kept by the cache: lazy members fork it
+    # (roots, with ``start``) zlib(pickle((obs, info))) of the reset that made it, and its env
+    # state ({"steps", "done", "episode"}): a later group starts there without a set-up
+    start_result: bytes = b""
+    start_state: dict | None = None
     inflight: threading.Event | None = field(default=None, repr=False)  # set when the first run is done
 
     def __getstate__(self) -> dict:
@@ -197,6 +206,7 @@ def _merge(mine: Node, theirs: Node) -> None:
         mine.snapshot, mine.state = theirs.snapshot, theirs.state
     if not getattr(mine, "start", None) and getattr(theirs, "start", None):
         mine.start = theirs.start
+        mine.start_result, mine.start_state = theirs.start_result, theirs.start_state
     if not mine.result and theirs.result:
         mine.result, mine.duration = theirs.result, theirs.duration
     mine.nondeterministic = mine.nondeterministic or theirs.nondeterministic
@@ -317,9 +327,10 @@ class PrefixCache(Counted):
         if self.use_spares:
             self.spares.want(node, memory_mode)
 
-    def shared_start(self, root: Node, base: Any) -> None:
+    def shared_start(self, root: Node, base: Any, obs: Any = None, info: dict | None = None) -> None:
         """Make a lazy member (``base``: its unwrapped env, not forked yet) start from the
-        task's start snapshot the cache keeps (the first group's), or keep its own as that.
+        task's start snapshot the cache keeps (the first group's), or keep its own as that,
+        with ``obs`` and ``info``, its reset's (what :meth:`kept_start` serves later groups).
 
         Every group then forks its members from one snapshot, so its forks and all the
         cached snapshots below it share one tmpfs copy of its page images. With each group
@@ -347,6 +358,42 @@ class PrefixCache(Counted):
             if pending.workspace in owned:
                 owned.remove(pending.workspace)
             root.start = pending.workspace.id
+            root.start_result = zlib.compress(pickle.dumps((obs, info), protocol=pickle.HIGHEST_PROTOCOL))
+            root.start_state = {"steps": pending.steps, "done": pending.done,
+                                "episode": copy.deepcopy(pending.state)}
+
+    def kept_start(self, env: gym.Env, options: dict | None) -> tuple[EnvSnapshot, Any, dict] | None:
+        """The start of the task ``options`` names as this cache keeps it: the state right
+        after an earlier group's set-up (the snapshot every later group's members fork
+        anyway, :meth:`shared_start`), with that reset's observation and info. A group
+        starts there instead of setting the task up again (booting the image, running the
+        set-up, dumping it): the set-up is the root of the task's prefix tree. None when
+        none is kept (or it is gone), or when ``options`` holds more than the task (a reset
+        option the kept start may not reflect)."""
+        from bunshin_gym.workspace.snapshot import SnapshotStore
+
+        base = env.unwrapped
+        options = options or {}
+        spec = options.get("task", getattr(base, "_default_task", None))
+        if set(options) - {"task"} or spec is None or not hasattr(base, "reset_to"):
+            return None
+        try:
+            task = spec if isinstance(spec, Task) else base.load_task(spec)
+            key = _task_key(task, base)
+        except Exception:  # noqa: BLE001 - a bad task is the reset's to report
+            return None
+        with self.tree.lock:
+            root = self.tree.roots.get(key)
+            if root is None or not getattr(root, "start", None) or not getattr(root, "start_result", b""):
+                return None
+            start_id, result, state = root.start, root.start_result, root.start_state
+        try:
+            kept = SnapshotStore().get(start_id)
+        except SnapshotError:
+            return None  # deleted meanwhile: the group sets the task up (and its start is kept)
+        obs, info = pickle.loads(zlib.decompress(result))
+        self.count(starts_served=1)
+        return EnvSnapshot(kept, task, state["steps"], state["done"], copy.deepcopy(state["episode"])), obs, info
 
     def clear(self) -> None:
         """Forget the tree and delete its snapshots (leaves first, the tasks' start snapshots last)."""
@@ -365,7 +412,10 @@ class PrefixCache(Counted):
 def cache_key(env: gym.Env) -> str:
     """(task id, task definition, image): a hit is only valid for the same three."""
     base = env.unwrapped
-    task = base.task
+    return _task_key(base.task, base)
+
+
+def _task_key(task: Any, base: gym.Env) -> str:
     definition = json.dumps(getattr(task, "config", {}), sort_keys=True, default=str)
     image = getattr(base, "image_key", lambda: base.image)()
     return f"{task.id}|{hashlib.sha256(definition.encode()).hexdigest()[:12]}|{image}"
@@ -410,7 +460,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         self._join()
         self.node = self.real = self.cache.tree.root(cache_key(self.env))
         base = self.env.unwrapped
-        self.cache.shared_start(self.node, base)
+        self.cache.shared_start(self.node, base, obs, info)
         # the episode's start state: a lazy member's pending snapshot or the reset snapshot
         self.base = base._pending or base._reset_snap or base.snapshot()
         self.episode = uuid.uuid4().hex[:12]

@@ -51,6 +51,8 @@ class CacheStats:
     # replayed calls whose observation differed from the recorded one: never served again
     nondeterministic: int = 0
     off_tree: int = 0  # episodes that went on without the cache after such a difference
+    # group resets served from a task's kept start (PrefixCache.kept_start): no set-up run
+    starts_served: int = 0
 
     @property
     def served(self) -> int:
