@@ -7,7 +7,9 @@ A recorded set of GRPO trajectories is replayed epoch by epoch in four modes sid
 - **share-base**: the members are share forks (memory shared copy-on-write);
 - **spec**: share-base plus speculative tool execution, the selector trained on the earlier
   epochs' log (from epoch 2 on: epoch 1 has no log);
-- **full**: spec plus the tool-prefix cache, kept across epochs.
+- **full**: spec plus the tool-prefix cache, kept across epochs; it snapshots a call's
+  workspace (every 2nd depth) only where that spares more replay than a snapshot costs
+  (``SNAPSHOT_POLICY``).
 
 The trajectories come from a stochastic policy mixing each task's shipped oracle with
 exploration in the env's real action types (pyautogui code and computer_13 dicts on the
@@ -67,6 +69,10 @@ from bunshin_gym.rollout.speculation import MEMORY_FRACTION as SPEC_MEMORY_FRACT
 log = logging.getLogger(__name__)
 
 MODES = ("copy-base", "share-base", "spec", "full")
+#: full's cache snapshots where that spares more replay than it costs (PrefixCache.want_snapshot):
+#: on the desktop a snapshot takes seconds under the run's load, a call a fraction of one, and
+#: most snapshots of the interval policy were never restored (measured: 36 made, 7 restored)
+SNAPSHOT_POLICY = "cost"
 OSWORLD, WEBARENA = "Bunshin-OSWorld-v0", "Bunshin-WebArena-v0"
 
 #: tasks in the order ``--tasks N`` takes them (cheap and varied first)
@@ -486,7 +492,8 @@ class _ModeState:
         self.mode = mode
         self.log = TrajectoryLog(work / f"{mode}-log.jsonl")
         budget = {} if cache_budget is None else {"memory_budget": cache_budget}
-        self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log, **budget) \
+        self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log,
+                                 snapshot_policy=SNAPSHOT_POLICY, **budget) \
             if mode == "full" else None
 
 
@@ -607,7 +614,7 @@ def run(json_path: str | None = None, *, env_id: str = OSWORLD, tasks: list[str]
     res: dict = {"env": env_id, "tasks": tasks, "group": size.group, "epochs": size.epochs, "seed": seed,
                  "think": asdict(think), "think_distribution": think.describe(), "parallel": parallel,
                  "min_speculate_s": min_speculate_s, "cache_budget_mb": cache_budget_mb,
-                 "spec_memory_fraction": SPEC_MEMORY_FRACTION,
+                 "spec_memory_fraction": SPEC_MEMORY_FRACTION, "snapshot_policy": SNAPSHOT_POLICY,
                  "modes": {m: {"epochs": []} for m in modes}, "load_average": {}}
     t_run = time.perf_counter()
     try:

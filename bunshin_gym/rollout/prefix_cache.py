@@ -77,6 +77,9 @@ from bunshin_gym.rollout.spare_supply import SpareSupply
 from bunshin_gym.rollout.stats import CacheStats, Counted
 from bunshin_gym.rollout.trajlog import TrajectoryLog
 
+#: when the cache snapshots a recorded call's workspace (PrefixCache's ``snapshot_policy``)
+SNAPSHOT_POLICIES = ("interval", "cost")
+
 __all__ = ["CacheStats", "Node", "PrefixCache", "PrefixCacheWrapper", "PrefixTree", "cache_key"]
 
 logger = logging.getLogger(__name__)
@@ -236,13 +239,21 @@ class PrefixCache(Counted):
         spares: keep one clone of each hot snapshot restored ahead and frozen, within the
             memory budget (:class:`~bunshin_gym.rollout.spare_supply.SpareSupply`), so that a
             restore of it is a thaw; needs ``overlap`` (they are made in the background).
+        snapshot_policy: ``"interval"`` snapshots at every ``snapshot_every``-th depth;
+            ``"cost"`` only at those where it pays (:meth:`want_snapshot`): where replaying the
+            calls it would spare took at least what a snapshot costs. A member waits for its
+            own snapshot before its next call, so on a desktop (snapshots of seconds, calls of
+            a fraction of one) the interval policy spends more than its restores save.
     """
 
     def __init__(self, cache_dir: str | Path, *, snapshot_every: int = 2, memory_budget: int | None = None,
                  overlap: bool = True, log: TrajectoryLog | None = None, bound_restores: bool = True,
-                 spares: bool = True):
+                 spares: bool = True, snapshot_policy: str = "interval"):
         if snapshot_every < 1:
             raise ValueError("snapshot_every must be >= 1")
+        if snapshot_policy not in SNAPSHOT_POLICIES:
+            raise ValueError(f"snapshot_policy must be one of {', '.join(SNAPSHOT_POLICIES)}, got {snapshot_policy!r}")
+        self.snapshot_policy = snapshot_policy
         self.tree = PrefixTree(cache_dir)
         self.snapshot_every = snapshot_every
         self.overlap = overlap
@@ -258,6 +269,27 @@ class PrefixCache(Counted):
 
     def wrap(self, env: gym.Env) -> PrefixCacheWrapper:
         return PrefixCacheWrapper(env, self)
+
+    def want_snapshot(self, node: Node) -> bool:
+        """Whether to snapshot the workspace right after ``node``'s call (just recorded): at
+        every ``snapshot_every``-th depth, and with the ``"cost"`` policy only where the
+        calls a restore of it would not replay (those since the nearest snapshot on its
+        path, or since the episode's start) took at least a snapshot's measured mean time;
+        until one is measured, it is taken."""
+        if node.depth % self.snapshot_every or node.snapshot:
+            return False
+        if self.snapshot_policy == "interval" or not self.stats.snapshots:
+            return True
+        spared, n = 0.0, node
+        while n.parent is not None:  # the root: the episode's start, restored anyway
+            spared += n.duration
+            n = n.parent
+            if n.snapshot:
+                break
+        if spared >= self.stats.snapshot_s / self.stats.snapshots:
+            return True
+        self.count(snapshots_skipped=1)
+        return False
 
 
     def save(self) -> None:
@@ -524,7 +556,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         self.node = self.real = child
         self.cache.count(misses=1)
         self._log(sig, action, duration, served, obs)
-        if not (term or trunc) and child.depth % self.cache.snapshot_every == 0 and not child.snapshot:
+        if not (term or trunc) and self.cache.want_snapshot(child):
             self._background(self._snapshot, child)
         return obs, reward, term, trunc, dict(info, cache="miss")
 

@@ -34,6 +34,7 @@ class CacheStats:
     restores: int = 0
     snapshots: int = 0
     snapshot_s: float = 0.0
+    snapshots_skipped: int = 0  # not taken: they would spare less replay than they cost
     # restores of a resident (hot) snapshot and of one read back from disk (cold), and their time
     restores_hot: int = 0
     restore_hot_s: float = 0.0
