@@ -291,7 +291,6 @@ class PrefixCache(Counted):
         self.count(snapshots_skipped=1)
         return False
 
-
     def save(self) -> None:
         self.tree.save()
 
@@ -389,10 +388,15 @@ class PrefixCache(Counted):
             owned = base._owned.snapshots
             if pending.workspace in owned:
                 owned.remove(pending.workspace)
-            root.start = pending.workspace.id
-            root.start_result = zlib.compress(pickle.dumps((obs, info), protocol=pickle.HIGHEST_PROTOCOL))
+            root.start, root.start_result = pending.workspace.id, b""
             root.start_state = {"steps": pending.steps, "done": pending.done,
                                 "episode": copy.deepcopy(pending.state)}
+        # compressed outside the lock (a screenshot: tens of ms) that every member's call takes;
+        # until it is set, kept_start serves nothing and a group sets the task up
+        result = zlib.compress(pickle.dumps((obs, info), protocol=pickle.HIGHEST_PROTOCOL))
+        with self.tree.lock:
+            if root.start == pending.workspace.id:
+                root.start_result = result
 
     def kept_start(self, env: gym.Env, options: dict | None) -> tuple[EnvSnapshot, Any, dict] | None:
         """The start of the task ``options`` names as this cache keeps it: the state right
@@ -407,7 +411,7 @@ class PrefixCache(Counted):
         base = env.unwrapped
         options = options or {}
         spec = options.get("task", getattr(base, "_default_task", None))
-        if set(options) - {"task"} or spec is None or not hasattr(base, "reset_to"):
+        if set(options) - {"task"} or spec is None:
             return None
         try:
             task = spec if isinstance(spec, Task) else base.load_task(spec)
@@ -416,7 +420,7 @@ class PrefixCache(Counted):
             return None
         with self.tree.lock:
             root = self.tree.roots.get(key)
-            if root is None or not getattr(root, "start", None) or not getattr(root, "start_result", b""):
+            if root is None or not root.start or not root.start_result:
                 return None
             start_id, result, state = root.start, root.start_result, root.start_state
         try:

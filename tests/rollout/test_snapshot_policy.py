@@ -10,6 +10,9 @@ import bunshin_gym  # noqa: F401
 from bunshin_gym.rollout import PrefixCache
 
 TASK = "shell/make-dir"
+# quick calls, then a slow one, then a quick one
+ACTIONS = ["echo a > /home/user/a", "echo b > /home/user/b", "echo c > /home/user/c",
+           "sleep 3; echo d > /home/user/d", "echo e > /home/user/e"]
 
 
 def snapshotted(cache: PrefixCache) -> list[tuple[int, bool]]:
@@ -25,28 +28,25 @@ def test_cost_snapshots_only_where_the_replay_it_spares_took_longer(tmp_path, po
         env.reset(options={"task": TASK})
         # the first snapshot is taken to measure one; quick calls spare less than it costs,
         # a slow call (and what came before it since the last snapshot) spares more
-        for action in ["echo a > /home/user/a", "echo b > /home/user/b", "echo c > /home/user/c",
-                       "sleep 3; echo d > /home/user/d", "echo e > /home/user/e"]:
+        for action in ACTIONS:
             env.step(action)
         env.sync()
-        cache_stats = cache.stats
     finally:
         env.close()
     try:
         taken = snapshotted(cache)
         if policy == "interval":
-            assert taken == [(d, True) for d in range(1, 6)] and cache_stats.snapshots_skipped == 0
+            assert taken == [(d, True) for d in range(1, 6)] and cache.stats.snapshots_skipped == 0
         else:
-            mean = cache_stats.snapshot_s / cache_stats.snapshots
+            mean = cache.stats.snapshot_s / cache.stats.snapshots
             assert mean < 3, f"a shell snapshot took {mean:.2f} s on average: this test needs it under 3 s"
             assert taken == [(1, True), (2, False), (3, False), (4, True), (5, False)], taken
-            assert cache_stats.snapshots_skipped == 3
+            assert cache.stats.snapshots_skipped == 3
         # either way a later episode that leaves the tree at the end gets the same state
         again = cache.wrap(gym.make("Bunshin-Shell-v0"))
         try:
             again.reset(options={"task": TASK})
-            for action in ["echo a > /home/user/a", "echo b > /home/user/b", "echo c > /home/user/c",
-                           "sleep 3; echo d > /home/user/d", "echo e > /home/user/e"]:
+            for action in ACTIONS:
                 assert again.step(action)[4]["cache"] == "hit"
             obs, *_ = again.step("cat /home/user/a /home/user/b /home/user/c /home/user/d /home/user/e")
             assert obs["output"] == "a\nb\nc\nd\ne\n"
