@@ -423,6 +423,22 @@ class WorkspaceEnv(gym.Env):
         self._boot_snap = self._ws.snapshot(tags={"env": type(self).__name__, "boot": True})
         self._owned.snapshots.append(self._boot_snap)
 
+    @_locked
+    def park(self) -> None:
+        """Close the live workspace, keeping its state: the env forks it back from a snapshot
+        on first use, as a lazy clone does. An env that stays idle a while holds no memory
+        meanwhile: a GRPO group's root, say, which nothing uses while its members run. Right
+        after a reset the reset snapshot is that state and nothing is dumped."""
+        self._check_open()
+        if self._ws is None:
+            return
+        current = self._reset_is_current
+        snap = self._reset_snap if current else self.snapshot()
+        self.release_connections()
+        ws, self._ws, self._pending = self._ws, None, snap
+        self._reset_is_current = current
+        ws.close()
+
     # fork API --------------------------------------------------------------------------
     @_locked
     def snapshot(self, *, keep: bool = False, **tags: Any) -> EnvSnapshot:
@@ -485,7 +501,11 @@ class WorkspaceEnv(gym.Env):
             workspaces = [None] * n
         else:
             self.release_connections()
-            workspaces = self.workspace.fork(n, mode=mode or self.memory_mode)
+            # a state already dumped (a parked or lazy env's pending snapshot, or the reset
+            # snapshot with nothing done since) is forked as it is: no second dump of it
+            kept = self._pending if self._ws is None else self._reset_snap if self._reset_is_current else None
+            source = kept.workspace if kept is not None else self.workspace
+            workspaces = source.fork(n, mode=mode or self.memory_mode)
         envs = []
         for ws in workspaces:
             twin = copy.copy(self)

@@ -91,6 +91,9 @@ class GroupVectorEnv(VectorEnv):
         max_workers: threads stepping members at once (default G).
         step_log: a :class:`~bunshin_gym.rollout.steplog.StepLog` recording every group, step
             and member's end (what ``bunshin explore`` shows).
+        park_root: close the root's workspace once the members are forked (it is idle until
+            the next reset; its reset snapshot, which the members fork, keeps its state, and
+            it is forked back from there if used): a group then holds G workspaces, not G + 1.
         **env_kwargs: passed to ``gym.make(env_id, ...)``.
     """
 
@@ -98,7 +101,8 @@ class GroupVectorEnv(VectorEnv):
 
     def __init__(self, env_id: str, num_envs: int, *, cache: Any = None, speculation: Any = None,
                  member_wrappers: list[Callable] | None = None, lazy: bool | None = None,
-                 max_workers: int | None = None, step_log: Any = None, **env_kwargs: Any):
+                 max_workers: int | None = None, step_log: Any = None, park_root: bool = True,
+                 **env_kwargs: Any):
         if num_envs < 1:
             raise ValueError(f"a group needs num_envs >= 1, got {num_envs}")
         self.env_id = env_id
@@ -108,6 +112,7 @@ class GroupVectorEnv(VectorEnv):
         self.wrappers = list(member_wrappers or [])
         self.wrappers += [w.wrap for w in (speculation, cache) if w is not None]
         self.lazy = cache is not None if lazy is None else lazy
+        self.park_root = park_root
         self.single_observation_space = self.root.observation_space
         self.single_action_space = self.root.action_space
         self.observation_space = batch_space(self.single_observation_space, num_envs)
@@ -123,7 +128,8 @@ class GroupVectorEnv(VectorEnv):
 
     # vector API ------------------------------------------------------------------------
     def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
-        """Set the task up once in the root workspace and fork the G members from it."""
+        """Set the task up once in the root workspace and fork the G members from it (the
+        root's workspace is then closed unless ``park_root`` is False)."""
         self._close_members()
         obs, info = self._reset_root(seed if isinstance(seed, int) else None, options)
         self.task_id = info.get("task_id")
@@ -135,6 +141,11 @@ class GroupVectorEnv(VectorEnv):
             if hasattr(env, "start_episode"):
                 env.start_episode(obs, info)
         self.members = members
+        if self.park_root:
+            try:
+                self.root.unwrapped.park()
+            except Exception:  # noqa: BLE001 - the members are forked: a root left running costs memory only
+                log.exception("group %s: closing the root's workspace after the fork failed", self.task_id)
         self.active[:] = True
         self._depth = [0] * self.num_envs
         if self.step_log is not None:

@@ -23,8 +23,11 @@ def test_make_vec_builds_a_group_of_forks_of_one_workspace(group):
     assert info["task_id"] == "shell/count-files" and len(obs["output"]) == 3
     workspaces = [m.unwrapped.workspace for m in group.members]
     assert len({w.id for w in workspaces}) == 3
-    assert len({w.base_snapshot for w in workspaces}) == 1  # all forked from the set-up state
-    assert group.root.unwrapped.workspace.base_snapshot is None  # the task was set up once, there
+    root = group.root.unwrapped
+    # all forked from the set-up state, the root's reset snapshot (not a second dump of it)
+    assert {w.base_snapshot for w in workspaces} == {root._reset_snap.id}
+    # the task was set up once, in the root, whose workspace is closed now that the members run
+    assert not root.materialized and root._pending is root._reset_snap
 
 
 def test_members_step_independently_and_finished_members_stay_finished(group):
@@ -73,10 +76,13 @@ def test_a_lazy_groups_reset_dumps_the_task_state_once():
         root = envs.root.unwrapped
         # the booted workspace's snapshot and the reset snapshot, which every lazy member
         # forks: no second dump of the same state
-        assert taken(root._ws.id) == {root._boot_snap.id, root._reset_snap.workspace.id}
+        booted = root._boot_snap.meta["workspace"]
+        assert taken(booted) == {root._boot_snap.id, root._reset_snap.workspace.id}
         assert {m.unwrapped._pending.workspace.id for m in envs.members} == {root._reset_snap.workspace.id}
-        envs.reset(options={"task": "shell/make-dir"})  # a later group of the task: one dump again
-        assert len(taken(root._ws.id)) == 3
+        # a later group of the task: the parked root forks its boot snapshot, and one dump again
+        envs.reset(options={"task": "shell/make-dir"})
+        again = root._reset_snap.workspace.meta["workspace"]
+        assert again != booted and taken(again) == {root._reset_snap.workspace.id}
         obs, _, _, _, infos = envs.step(["echo member"] * 3)  # each member forks the reset snapshot
         assert list(obs["output"]) == ["member\n"] * 3, obs
     finally:

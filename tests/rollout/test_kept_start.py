@@ -46,7 +46,7 @@ def test_a_later_group_starts_at_the_kept_start_without_a_set_up(cache):
     first = group(cache)
     try:
         obs1, info1 = first.reset(options={"task": TASK})
-        assert first.root.unwrapped.materialized  # set up in its own workspace
+        assert first.root.unwrapped._boot_snap is not None  # booted, set up in its own workspace
         stamps1, rewards1 = stamp_and_answer(first, "first")
     finally:
         first.close()
@@ -56,7 +56,7 @@ def test_a_later_group_starts_at_the_kept_start_without_a_set_up(cache):
     try:
         obs2, info2 = later.reset(options={"task": TASK})
         assert cache.stats.starts_served == 1
-        assert not later.root.unwrapped.materialized  # no workspace: no boot, no set-up, no dump
+        assert later.root.unwrapped._boot_snap is None  # nothing booted: no set-up, no dump
         assert (later.task_id, info2) == ("shell/stamped", info1)
         for k in obs1:
             assert list(obs2[k]) == list(obs1[k])
@@ -80,7 +80,7 @@ def test_a_start_that_is_gone_or_options_beyond_the_task_set_the_task_up_again(c
     other = group(cache)
     try:
         other.reset(options={"task": TASK, "note": "an option the kept start may not reflect"})
-        assert other.root.unwrapped.materialized and cache.stats.starts_served == 0
+        assert other.root.unwrapped._boot_snap is not None and cache.stats.starts_served == 0
     finally:
         other.close()
 
@@ -94,7 +94,7 @@ def test_a_start_that_is_gone_or_options_beyond_the_task_set_the_task_up_again(c
     again = group(cache)
     try:
         again.reset(options={"task": TASK})
-        assert again.root.unwrapped.materialized and cache.stats.starts_served == 0
+        assert again.root.unwrapped._boot_snap is not None and cache.stats.starts_served == 0
         stamps2, rewards2 = stamp_and_answer(again, "again")
     finally:
         again.close()
