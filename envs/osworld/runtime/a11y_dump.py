@@ -220,6 +220,8 @@ ROOT_PATH = "/org/a11y/atspi/accessible/root"
 WINDOW = 96
 #: longest wait for the next reply (the old walker waits 1.5 s per call; a batch is longer)
 REPLY_TIMEOUT_S = 5.0
+#: calls marshalled and written at a time within a window
+SEND_CHUNK = 64
 HUGE_TABLE_ROLES = ("table", "tree table", "spreadsheet")
 
 
@@ -594,7 +596,10 @@ class Wire:
     def _window(self, calls: list[tuple]) -> list:
         first = self.serial + 1
         try:
-            self.sock.sendall(b"".join(self._message(*c) for c in calls))
+            # written in chunks as they are marshalled: the app starts answering while the
+            # rest is built (paired with whole-window writes on the Calc task: 280 vs 301 ms)
+            for at in range(0, len(calls), SEND_CHUNK):
+                self.sock.sendall(b"".join(self._message(*c) for c in calls[at:at + SEND_CHUNK]))
             results: list = [None] * len(calls)
             left = len(calls)
             while left:
