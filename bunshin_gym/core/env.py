@@ -424,19 +424,23 @@ class WorkspaceEnv(gym.Env):
         self._owned.snapshots.append(self._boot_snap)
 
     @_locked
-    def park(self) -> None:
+    def park(self, state: EnvSnapshot | None = None) -> None:
         """Close the live workspace, keeping its state: the env forks it back from a snapshot
         on first use, as a lazy clone does. An env that stays idle a while holds no memory
-        meanwhile: a GRPO group's root, say, which nothing uses while its members run. Right
-        after a reset the reset snapshot is that state and nothing is dumped."""
+        meanwhile: a GRPO group's root, say, which nothing uses while its members run.
+
+        Args:
+            state: a snapshot of the live state already taken (the one lazy clones of this
+                env fork); by default one is taken now.
+        """
         self._check_open()
         if self._ws is None:
             return
         current = self._reset_is_current
-        snap = self._reset_snap if current else self.snapshot()
+        snap = state or self.snapshot()
         self.release_connections()
         ws, self._ws, self._pending = self._ws, None, snap
-        self._reset_is_current = current
+        self._reset_is_current = current  # the pending state is still the reset's
         ws.close()
 
     # fork API --------------------------------------------------------------------------
@@ -501,10 +505,11 @@ class WorkspaceEnv(gym.Env):
             workspaces = [None] * n
         else:
             self.release_connections()
-            # a state already dumped (a parked or lazy env's pending snapshot, or the reset
-            # snapshot with nothing done since) is forked as it is: no second dump of it
-            kept = self._pending if self._ws is None else self._reset_snap if self._reset_is_current else None
-            source = kept.workspace if kept is not None else self.workspace
+            # a parked or lazy env's state is its pending snapshot: forked as it is, not
+            # forked back into this env and dumped again. (Not the reset snapshot otherwise:
+            # it is taken before the reset's observation, and observing may change the
+            # workspace: the web env's accessibility snapshot numbers the page's elements.)
+            source = self._pending.workspace if self._ws is None and self._pending is not None else self.workspace
             workspaces = source.fork(n, mode=mode or self.memory_mode)
         envs = []
         for ws in workspaces:

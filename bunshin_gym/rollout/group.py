@@ -91,9 +91,9 @@ class GroupVectorEnv(VectorEnv):
         max_workers: threads stepping members at once (default G).
         step_log: a :class:`~bunshin_gym.rollout.steplog.StepLog` recording every group, step
             and member's end (what ``bunshin explore`` shows).
-        park_root: close the root's workspace once the members are forked (it is idle until
-            the next reset; its reset snapshot, which the members fork, keeps its state, and
-            it is forked back from there if used): a group then holds G workspaces, not G + 1.
+        park_root: close the root's workspace when the members are forked (it is idle until
+            the next reset; the snapshot the members fork keeps its state, and it is forked
+            back from there if used): a group then holds G workspaces, not G + 1.
         **env_kwargs: passed to ``gym.make(env_id, ...)``.
     """
 
@@ -133,7 +133,12 @@ class GroupVectorEnv(VectorEnv):
         self._close_members()
         obs, info = self._reset_root(seed if isinstance(seed, int) else None, options)
         self.task_id = info.get("task_id")
-        members = self.root.unwrapped.clone(self.num_envs, lazy=self.lazy)
+        root = self.root.unwrapped
+        if self.park_root and not self.lazy:
+            self._park_root()  # one dump of the root's state, which the members then fork
+        members = root.clone(self.num_envs, lazy=self.lazy)
+        if self.park_root and self.lazy and members:
+            self._park_root(members[0]._pending)  # the root keeps the state its members fork
         for i, env in enumerate(members):
             for wrap in self.wrappers:
                 env = wrap(env)
@@ -141,11 +146,6 @@ class GroupVectorEnv(VectorEnv):
             if hasattr(env, "start_episode"):
                 env.start_episode(obs, info)
         self.members = members
-        if self.park_root:
-            try:
-                self.root.unwrapped.park()
-            except Exception:  # noqa: BLE001 - the members are forked: a root left running costs memory only
-                log.exception("group %s: closing the root's workspace after the fork failed", self.task_id)
         self.active[:] = True
         self._depth = [0] * self.num_envs
         if self.step_log is not None:
@@ -153,6 +153,12 @@ class GroupVectorEnv(VectorEnv):
                                                  instruction=info.get("instruction") or "", obs=obs)
         self._last = [(obs, 0.0, False, False, dict(info)) for _ in members]
         return self._batch_obs([obs] * self.num_envs), {"task_id": self.task_id, "instruction": info.get("instruction")}
+
+    def _park_root(self, state: Any = None) -> None:
+        try:
+            self.root.unwrapped.park(state)
+        except Exception:  # noqa: BLE001 - the members fork anyway (from a live root): it costs memory only
+            log.exception("group %s: closing the root's workspace failed; it stays up", self.task_id)
 
     def _reset_root(self, seed: int | None, options: dict | None) -> tuple[Any, dict]:
         """The root's reset: the task set up in its workspace; with a cache that keeps the

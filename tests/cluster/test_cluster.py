@@ -114,11 +114,16 @@ def test_a_host_killed_mid_batch_loses_only_its_own_groups(ray_local):
         victim: dict[str, object] = {}
 
         def kill_when_forked(host: str) -> None:
-            """Kill the host once its group's members are forked (so mid-rollout: they think 1 s a step)."""
-            deadline = time.monotonic() + 180
+            """Kill the host once its group's members run, one forked (so mid-rollout: they think
+            1 s a step): a call made since the group was dispatched, and a workspace there (the
+            root's is closed once the members are forked; a lazy member forks at its first miss)."""
+            deadline, calls = time.monotonic() + 180, None
             while time.monotonic() < deadline:
-                victim["workspaces"] = ray.get(c.hosts[host].info.remote())["workspaces"]
-                if len(victim["workspaces"]) >= 2:
+                info = ray.get(c.hosts[host].info.remote())
+                made = info["cache"]["hits"] + info["cache"]["misses"]
+                calls = made if calls is None else calls
+                victim["workspaces"] = info["workspaces"]
+                if made > calls and victim["workspaces"]:
                     c.kill_host(host)
                     return
                 time.sleep(0.3)
