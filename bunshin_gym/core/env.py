@@ -307,8 +307,11 @@ class WorkspaceEnv(gym.Env):
         self._fresh_workspace()
         self.task, self.steps, self.done = task, 0, False
         task.setup(self)
+        obs = self.observe()
+        # taken after the observation, which may change the workspace (the web env's
+        # accessibility snapshot numbers the page's elements, which its actions then name):
+        # a rollback to the reset, and a fork of it, start where this observation left it
         self._reset_snap = self.snapshot() if self._reset_snapshot_enabled else None
-        obs = self.observe()  # observing changes nothing: the workspace is still the snapshot's state
         self._reset_is_current = self._reset_snap is not None
         return obs, {"task_id": task.id, "instruction": task.instruction}
 

@@ -203,6 +203,32 @@ def test_clone_mid_episode_keeps_page_history_and_session():
         env.close()
 
 
+def test_a_fork_of_the_reset_clicks_the_ids_of_the_reset_observation_as_its_source_does():
+    """A lazy clone made right after reset forks the reset snapshot: it must hold what the
+    reset's observation did to the page (the accessibility snapshot numbers its elements,
+    and an action names them by those numbers), as must a rollback to the reset. Taken before
+    the observation, the fork's click found no element: no ``element_box``, another page."""
+    env = gym.make("Bunshin-WebArena-v0")
+    twin = None
+    try:
+        obs, _ = env.reset(options={"task": "webarena/1001"})
+        element = re.search(r"\[(\d+)\] link 'My Account'", obs["accessibility_tree"])[1]
+        (twin,) = env.unwrapped.clone(1, lazy=True)
+        mine = env.step(f"click [{element}]")
+        theirs = twin.step(f"click [{element}]")
+        for o, _, _, _, info in (mine, theirs):
+            assert o["url"].endswith("/customer/account/") and "error" not in info and info.get("element_box"), info
+        assert theirs[0]["accessibility_tree"] == mine[0]["accessibility_tree"]
+        assert theirs[4]["element_box"] == mine[4]["element_box"]
+        env.unwrapped.rollback()
+        o, _, _, _, info = env.step(f"click [{element}]")
+        assert o["url"].endswith("/customer/account/") and info["element_box"] == mine[4]["element_box"], info
+    finally:
+        if twin is not None:
+            twin.close()
+        env.close()
+
+
 def test_carts_and_orders_of_clones_diverge(env):
     env.reset(options={"task": "webarena/1030"})
     source_orders = _db(env, "SELECT count(*) FROM orders")
