@@ -274,6 +274,29 @@ def test_drawn_rectangles_travel_without_comparing_and_rebuild_exactly(monkeypat
     assert np.array_equal(received(data, held), later)
 
 
+def test_an_unchanged_array_found_by_comparing_is_the_base_from_then_on(monkeypatch):
+    # a desktop env's snapshot closes its X connection: the next capture, on a new one, knows
+    # no damage against the array the client holds, and the unchanged screen is compared once;
+    # from then on what X draws is sent without comparing (it was compared every step after)
+    store, held, drawn = FrameStore(), HeldFrames(), Drawn()
+    first = screen()  # not in the env's log any more
+    received(drawn_answer(first, store, held, drawn), held)
+    again = drawn.returned(first.copy(), [(0, 0, 1920, 1080)])  # the new connection's first capture
+    data = drawn_answer(again, store, held, drawn)
+    assert ref_of(data)["codec"] == "same"
+    assert store.get(ref_of(data)["id"])[0] is again
+
+    compared = []
+    monkeypatch.setattr(frames, "identical", lambda *a: compared.append(a) or True)
+    monkeypatch.setattr(frames, "changed_rows", lambda *a: compared.append(a) or np.array([], np.int64))
+    typed = again.copy()
+    typed[500:510, 40:70] = 9
+    drawn.returned(typed, [(40, 500, 30, 10)])
+    data = drawn_answer(typed, store, held, drawn)
+    assert ref_of(data)["codec"] == "zstd-rects" and compared == []
+    assert np.array_equal(received(data, held), typed)
+
+
 def test_a_held_array_that_is_not_the_server_s_is_found_one_answer_late():
     store, held, drawn = FrameStore(), HeldFrames(), Drawn()
     first = drawn.returned(screen(), [(0, 0, 1920, 1080)])
