@@ -76,6 +76,12 @@ def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     return _local.pair
 
 
+#: values an answer carries as they are (exact types: a subclass goes through ``lower``)
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+#: what JSON gives that may hold an array or bytes
+_NESTED = frozenset({dict, list})
+
+
 class FrameError(BunshinError, ValueError):
     """Bytes that are not a frame of this format."""
 
@@ -158,10 +164,11 @@ class _Encoder:
     def lower(self, value: Any, place: str) -> Any:
         if isinstance(value, np.ndarray):
             return self.array(value, place)
+        # plain values (most of an answer) are taken as they are, without a call or a place
         if isinstance(value, dict):
-            return {str(k): self.lower(v, f"{place}/{k}") for k, v in value.items()}
+            return {str(k): v if type(v) in _PLAIN else self.lower(v, f"{place}/{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [self.lower(v, f"{place}/{i}") for i, v in enumerate(value)]
+            return [v if type(v) in _PLAIN else self.lower(v, f"{place}/{i}") for i, v in enumerate(value)]
         if isinstance(value, np.generic):
             return value.item()
         if isinstance(value, bytes):
@@ -264,9 +271,9 @@ class _Decoder:
                 return self.array(value, place)
             if "__bytes__" in value and len(value) == 1:
                 return bytes(self.blobs[value["__bytes__"]])
-            return {k: self.raise_(v, f"{place}/{k}") for k, v in value.items()}
+            return {k: self.raise_(v, f"{place}/{k}") if type(v) in _NESTED else v for k, v in value.items()}
         if isinstance(value, list):
-            return [self.raise_(v, f"{place}/{i}") for i, v in enumerate(value)]
+            return [self.raise_(v, f"{place}/{i}") if type(v) in _NESTED else v for i, v in enumerate(value)]
         return value
 
 
