@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketDisconnect
 
 from bunshin_gym.errors import BunshinError, ResetNeeded, TaskError
+from bunshin_gym.serve import codec
 from bunshin_gym.serve.auth import token_from_headers
 from bunshin_gym.serve.codec import CHANNEL_TIMING
 from bunshin_gym.serve.envs_api import HOT_CALLS, EnvLease, run_hot
@@ -119,7 +120,7 @@ def parse_request(registry, env_id: str, who, raw: str | bytes | bytearray
     once closed) and the work that answers it, to run on the env's thread. Shared with the
     local channel (:mod:`bunshin_gym.serve.local_channel`)."""
     try:
-        body = json.loads(raw)
+        body = codec.loads(raw)
     except ValueError as e:
         raise ServeError(f"a request must be a JSON object: {e}", 400) from None
     if not isinstance(body, dict):

@@ -397,3 +397,22 @@ def test_one_drawn_array_in_check_every_is_checked_and_a_wrong_one_is_found_with
         raise AssertionError("the wrong array was never found")
     assert follows[0] and not any(follows[1:frames.CHECK_EVERY])
     assert i <= frames.CHECK_EVERY + 1, f"found only at answer {i}"
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"reward": NaN, "low": -Infinity, "high": Infinity}',  # answers may carry them
+    b'{"big": 123456789012345678901234567890, "edge": 9223372036854775807, "neg": -9223372036854775809}',
+    b'{"tiny": 1e-400, "huge": 1.5e400, "z": -0.0, "f": 0.1, "i": 17}',
+    b'"\\ud800 lone surrogate"', b'{"a": 1, "a": 2}', '{"s": "\\u00e9", "n": 12345678901234567890}',
+    bytearray(b'[1, "2", [3.5, null, true]]'), memoryview(b'{"x": [{"y": "z"}]}'),
+])
+def test_loads_reads_what_json_reads(raw):
+    want = json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
+    got = codec.loads(raw)
+    assert repr(got) == repr(want)  # repr: NaN, -0.0 and int against float told apart
+
+
+@pytest.mark.parametrize("raw", [b'{"a":', b"\xff\xfe", memoryview(b"[1,"), b""])
+def test_loads_refuses_what_json_refuses_with_a_value_error(raw):
+    with pytest.raises(ValueError):
+        codec.loads(raw)
