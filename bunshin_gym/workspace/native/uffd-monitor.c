@@ -184,16 +184,15 @@ static int stop_clone(void)
 	return killed;
 }
 
-static void report(const char *who, const char *why)
+static void write_report(const char *who, const char *why, const char *action, int killed)
 {
 	char tmp[4096], buf[2048];
-	int fd, n, killed = stop_clone();
+	int fd, n;
 
 	n = snprintf(buf, sizeof(buf),
 		     "{\"event\": \"monitor-died\", \"who\": \"%s\", \"reason\": \"%s\", \"time\": %ld, "
-		     "\"action\": \"clone stopped\", \"signalled\": %d}\n",
-		     who, why, (long)time(NULL), killed);
-	logf_("%s: %s; stopped the clone (%d processes signalled)", who, why, killed);
+		     "\"action\": \"%s\", \"signalled\": %d}\n",
+		     who, why, (long)time(NULL), action, killed);
 	snprintf(tmp, sizeof(tmp), "%s.tmp", report_file);
 	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
 	if (fd >= 0) {
@@ -202,6 +201,18 @@ static void report(const char *who, const char *why)
 		close(fd);
 		rename(tmp, report_file);
 	}
+}
+
+static void report(const char *who, const char *why)
+{
+	int killed;
+
+	/* written before the clone is stopped, then again with what was signalled: whoever sees
+	 * the clone's processes gone finds why (they were gone before the report was there) */
+	write_report(who, why, "stopping the clone", -1);
+	killed = stop_clone();
+	logf_("%s: %s; stopped the clone (%d processes signalled)", who, why, killed);
+	write_report(who, why, "clone stopped", killed);
 }
 
 /* per-process state ---------------------------------------------------------------------- */
