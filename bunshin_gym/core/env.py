@@ -434,13 +434,14 @@ class WorkspaceEnv(gym.Env):
 
         Args:
             state: a snapshot of the live state already taken (the one lazy clones of this
-                env fork); by default one is taken now.
+                env fork); by default the reset snapshot if nothing was done since, else one
+                is taken now.
         """
         self._check_open()
         if self._ws is None:
             return
         current = self._reset_is_current
-        snap = state or self.snapshot()
+        snap = state or (self._reset_snap if current else self.snapshot())
         self.release_connections()
         ws, self._ws, self._pending = self._ws, None, snap
         self._reset_is_current = current  # the pending state is still the reset's
@@ -508,11 +509,11 @@ class WorkspaceEnv(gym.Env):
             workspaces = [None] * n
         else:
             self.release_connections()
-            # a parked or lazy env's state is its pending snapshot: forked as it is, not
-            # forked back into this env and dumped again. (Not the reset snapshot otherwise:
-            # it is taken before the reset's observation, and observing may change the
-            # workspace: the web env's accessibility snapshot numbers the page's elements.)
-            source = self._pending.workspace if self._ws is None and self._pending is not None else self.workspace
+            # a state already dumped (a parked or lazy env's pending snapshot, or the reset
+            # snapshot with nothing done since: it is taken after the reset's observation) is
+            # forked as it is, not dumped again
+            kept = self._pending if self._ws is None else self._reset_snap if self._reset_is_current else None
+            source = kept.workspace if kept is not None else self.workspace
             workspaces = source.fork(n, mode=mode or self.memory_mode)
         envs = []
         for ws in workspaces:

@@ -135,7 +135,7 @@ class GroupVectorEnv(VectorEnv):
         self.task_id = info.get("task_id")
         root = self.root.unwrapped
         if self.park_root and not self.lazy:
-            self._park_root()  # one dump of the root's state, which the members then fork
+            self._park_root()  # its state (the reset snapshot, or one dump) is what the members fork
         members = root.clone(self.num_envs, lazy=self.lazy)
         if self.park_root and self.lazy and members:
             self._park_root(members[0]._pending)  # the root keeps the state its members fork
