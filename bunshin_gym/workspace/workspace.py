@@ -64,6 +64,10 @@ class MemoryStats:
 #: not check again (the env checks before each action, and the action's request follows)
 _RECHECK_AFTER_S = 0.05
 
+#: how long a request that failed to reach the agent waits for PID 1 to exit before it calls
+#: the failure a channel error rather than the workspace's death (see Workspace._death_while)
+_DEATH_WAIT_S = 2.0
+
 
 class Workspace:
     """A running workspace. Create with :meth:`create`, reach an existing one with :meth:`attach`."""
@@ -278,10 +282,13 @@ class Workspace:
     def _death_while(self, op: str | None, error: WorkspaceError) -> WorkspaceClosed | None:
         """After a request failed to reach the agent: WorkspaceClosed if the reason is that the
         workspace died (killed mid-request, or its uffd monitor gone), else None. PID 1 dies a
-        moment after the agent when the whole workspace is killed: wait for it briefly."""
+        moment after the agent when the whole workspace is killed, later on a busy host (as PID
+        1 of its namespace it exits only once every other process in it is reaped; 0.2 s was
+        too short under a loaded CI run): wait for it up to _DEATH_WAIT_S. Only a failed request
+        pays this wait, and only while PID 1 lives."""
         if why := memory.for_record(self._rec).health(self._rec, self._p):
             return WorkspaceClosed(f"{why} (during {op}: {error})")
-        if self._rec.pid1 is None or not teardown.wait_gone(self._rec.pid1, 0.2) or self._rec.running():
+        if self._rec.pid1 is None or not teardown.wait_gone(self._rec.pid1, _DEATH_WAIT_S) or self._rec.running():
             return None
         return WorkspaceClosed(f"{self._died()} (during {op}: {error})")
 
