@@ -35,8 +35,9 @@ from websockets.protocol import State
 from websockets.uri import parse_uri
 
 from bunshin_gym.errors import BunshinError
+from bunshin_gym.serve import local_wire
 from bunshin_gym.serve.codec import CHANNEL_TIMING as TIMING
-from bunshin_gym.serve.codec import LOCAL_ANSWER, LOCAL_ERROR, LOCAL_HEADER, LOCAL_JSON, LOCAL_OK, recv_exact
+from bunshin_gym.serve.codec import LOCAL_ANSWER, LOCAL_ERROR, LOCAL_JSON, LOCAL_OK
 
 #: the largest answer accepted (a whole 4K RGB frame is 25 MB before compression)
 MAX_MESSAGE = 256 << 20
@@ -234,14 +235,15 @@ class LocalChannel:
                 sock.connect(self._address)
             except OSError as e:
                 raise ChannelUnavailable(f"the server's local channel could not be reached: {e}") from None
+            sock.setblocking(False)  # each read and write has its own deadline (local_wire)
             hello = json.dumps({"token": self._token, "env": self._env_id}).encode()
             try:
-                _send(sock, LOCAL_JSON, hello)
-                kind, data = _receive(sock, 1 << 16)
+                local_wire.write(sock, LOCAL_JSON, hello, timeout=self._timeout)
+                kind, data = _receive(sock, 1 << 16, self._timeout)
             except (OSError, EOFError, ChannelError) as e:
                 raise ChannelError(f"the local channel could not be opened: {e}") from None
             if kind == LOCAL_ERROR:
-                error = json.loads(data)
+                error = json.loads(bytes(data))
                 raise ChannelError(error.get("message") or "the local channel was refused", error.get("status"))
             if kind != LOCAL_OK:
                 raise ChannelError(f"the local channel answered its hello with a message of kind {kind}")
@@ -260,57 +262,54 @@ class LocalChannel:
         if sock is not None:
             sock.close()
 
-    def _alive(self) -> bool:
-        """Whether the open channel is still usable: the server sends nothing unasked, so a
-        readable socket means it closed the channel (idle, or gone)."""
-        sock = self._sock
-        if sock is None:
-            return False
-        try:
-            return not select.select([sock], [], [], 0)[0]
-        except (OSError, ValueError):
-            return False
-
     def call(self, op: str, body: dict, meanwhile: Callable[[], Any] | None = None) -> tuple[memoryview, float, float]:
         """As :meth:`Channel.call`: the answer's frame, the server's seconds on it, its
         encoding's seconds; :class:`ChannelRefusal` for an error answer, :class:`ChannelBroken`
         when the channel broke while the request was out (not sent again)."""
-        text = json.dumps({"op": op, **body}, separators=(",", ":"), allow_nan=False)
+        text = json.dumps({"op": op, **body}, separators=(",", ":"), allow_nan=False).encode()
         with self._lock:
-            if not self._alive():
+            if self._sock is None:
+                self._open()
+            try:
+                local_wire.write(self._sock, LOCAL_JSON, text, timeout=self._timeout)
+            except (BrokenPipeError, ConnectionResetError):
+                # the server closed the channel before this request (its env's idle timeout, a
+                # restart): a Unix socket refuses a write to a closed peer, so nothing was sent
                 self._drop()
                 self._open()
+                try:
+                    local_wire.write(self._sock, LOCAL_JSON, text, timeout=self._timeout)
+                except OSError as e:
+                    self._drop()
+                    raise ChannelError(f"the local channel broke before the request was sent ({e})") from None
+            except OSError as e:
+                self._drop()
+                raise ChannelBroken(f"the request could not be sent whole ({e}); it may have run") from None
             sock = self._sock
             try:
-                sock.settimeout(self._timeout)
-                _send(sock, LOCAL_JSON, text.encode())
                 if meanwhile is not None:
                     meanwhile()
-                kind, data = _receive(sock, MAX_MESSAGE)
+                kind, data = _receive(sock, MAX_MESSAGE, self._timeout, wait_first=True)
             except (OSError, EOFError, ChannelError) as e:
                 self._drop()
                 raise ChannelBroken(f"the channel broke while the request was out ({e or type(e).__name__}); "
                                     "it may have run") from None
         if kind == LOCAL_ERROR:
-            raise ChannelRefusal(json.loads(data))
+            raise ChannelRefusal(json.loads(bytes(data)))
         if kind != LOCAL_ANSWER or len(data) < TIMING.size:
             with self._lock:
                 self._drop()
             raise ChannelBroken(f"the server answered with a message of kind {kind}; the channel is closed")
         server_s, encode_s = TIMING.unpack_from(data)
-        return memoryview(data)[TIMING.size:], server_s, encode_s
+        return data[TIMING.size:], server_s, encode_s
 
 
-def _send(sock: socket.socket, kind: int, data: bytes) -> None:
-    sock.sendall(LOCAL_HEADER.pack(kind, len(data)) + data)
-
-
-def _receive(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
+def _receive(sock: socket.socket, limit: int, timeout: float, wait_first: bool = False) -> tuple[int, memoryview]:
     """One message of a local channel (at most ``limit`` bytes, else ChannelError)."""
-    kind, n = LOCAL_HEADER.unpack(recv_exact(sock, LOCAL_HEADER.size))
-    if n > limit:
-        raise ChannelError(f"an answer of {n} bytes (at most {limit} are taken)")
-    return kind, recv_exact(sock, n)
+    try:
+        return local_wire.read(sock, limit, timeout, wait_first=wait_first)
+    except local_wire.TooLong as e:
+        raise ChannelError(f"an answer of {e.length} bytes (at most {limit} are taken)") from None
 
 
 class ChannelRefusal(BunshinError, RuntimeError):

@@ -25,8 +25,7 @@ Bytes values travel as blobs too. Spaces travel as JSON descriptions (:func:`spa
 from __future__ import annotations
 
 import json
-import re
-import socket
+import math
 import struct
 import threading
 from collections.abc import Callable, Mapping
@@ -59,27 +58,15 @@ LOCAL_JSON = 1
 LOCAL_ANSWER, LOCAL_ERROR, LOCAL_OK = 2, 3, 4
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Exactly ``n`` bytes of a local channel (either side); EOFError when the connection
-    ends first."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the connection ended")
-        got += k
-    return buf
-
-
 def _zstd() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     if not hasattr(_local, "pair"):
         _local.pair = zstandard.ZstdCompressor(level=ZSTD_LEVEL), zstandard.ZstdDecompressor()
     return _local.pair
 
 
-#: values an answer carries as they are (exact types: a subclass goes through ``lower``)
-_PLAIN = frozenset({str, int, float, bool, type(None)})
+#: values an answer carries as they are (exact types: a subclass goes through ``lower``; so do
+#: floats, which may be NaN or infinite)
+_PLAIN = frozenset({str, int, bool, type(None)})
 #: what JSON gives that may hold an array or bytes
 _NESTED = frozenset({dict, list})
 
@@ -93,8 +80,7 @@ def loads(raw: bytes | bytearray | memoryview | str) -> Any:
     and to raise ``json``'s own error."""
     if isinstance(raw, memoryview):
         raw = raw.cast("B") if raw.format != "B" or raw.ndim != 1 else raw
-    long_digits = _LONG_DIGITS_STR if isinstance(raw, str) else _LONG_DIGITS
-    if long_digits.search(raw) is None:
+    if not _has_long_digits(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -102,8 +88,33 @@ def loads(raw: bytes | bytearray | memoryview | str) -> Any:
     return json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
-_LONG_DIGITS_STR = re.compile(r"[0-9]{19}")
+#: every digit as "0": a run of 19 digits is then a run of 19 zeros, found by a substring
+#: search (~1.5 us for a step's header, where a regular expression took ~10 us)
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_LONG_RUN = b"0" * 19
+
+
+def _has_long_digits(raw: bytes | bytearray | memoryview | str) -> bool:
+    """Whether JSON text holds a run of 19 or more ASCII digits."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")  # digits are ASCII: the rest does not matter
+    elif isinstance(raw, memoryview):
+        raw = bytes(raw)
+    return _LONG_RUN in raw.translate(_DIGITS_AS_ZERO)
+
+
+def dumps(value: Any, *, finite: bool) -> bytes:
+    """JSON text of ``value`` as ``json.dumps(allow_nan=True)`` would give it (the same values
+    read back): by orjson (~15x faster for a step's header), by ``json`` where orjson would write
+    something else or refuses: ``finite=False`` (the caller saw a NaN or an infinity, which
+    orjson writes as null), an integer beyond 64 bits, a lone surrogate, a type it does not
+    know."""
+    if finite:
+        try:
+            return orjson.dumps(value)
+        except orjson.JSONEncodeError:
+            pass
+    return json.dumps(value, separators=(",", ":"), allow_nan=True).encode()
 
 
 class FrameError(BunshinError, ValueError):
@@ -125,6 +136,8 @@ class _Encoder:
         self.store = store
         self.bases = bases or {}
         self.damage = damage or {}
+        #: no NaN or infinity in the answer (what orjson would write as null)
+        self.finite = True
 
     def blob(self, data: Any) -> int:
         self.blobs.append(data)
@@ -188,13 +201,17 @@ class _Encoder:
     def lower(self, value: Any, place: str) -> Any:
         if isinstance(value, np.ndarray):
             return self.array(value, place)
+        if isinstance(value, float):  # numpy's float64 included
+            if not math.isfinite(value):
+                self.finite = False
+            return float(value)
         # plain values (most of an answer) are taken as they are, without a call or a place
         if isinstance(value, dict):
             return {str(k): v if type(v) in _PLAIN else self.lower(v, f"{place}/{k}") for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [v if type(v) in _PLAIN else self.lower(v, f"{place}/{i}") for i, v in enumerate(value)]
         if isinstance(value, np.generic):
-            return value.item()
+            return self.lower(value.item(), place)  # a float32 NaN is seen as one
         if isinstance(value, bytes):
             return {"__bytes__": self.blob(value)}
         if value is None or isinstance(value, (str, int, float, bool)):
@@ -312,8 +329,8 @@ def encode(value: Any, *, store: frames.FrameStore | None = None, bases: Mapping
     the env knows (then nothing is compared).
     """
     enc = _Encoder(store, bases, damage)
-    header = json.dumps({"value": enc.lower(value, ""), "_blobs": [len(b) for b in enc.blobs]},
-                        separators=(",", ":"), allow_nan=True).encode()
+    lowered = enc.lower(value, "")
+    header = dumps({"value": lowered, "_blobs": [len(b) for b in enc.blobs]}, finite=enc.finite)
     return b"".join([MAGIC, struct.pack(">I", len(header)), header, *enc.blobs])
 
 

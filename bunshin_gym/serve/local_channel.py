@@ -23,7 +23,8 @@ namespace) uses the WebSocket channel. Nothing is trusted from the connection it
   at most :data:`MAX_REQUEST` bytes; each answered ``LOCAL_ANSWER`` (``CHANNEL_TIMING``
   then the frame) or ``LOCAL_ERROR`` (JSON, the channel stays open).
 
-Every message is ``LOCAL_HEADER`` (kind, length) and its bytes (:mod:`bunshin_gym.serve.codec`).
+Every message is ``LOCAL_HEADER`` (kind, length) and its bytes (:mod:`bunshin_gym.serve.codec`),
+read and written on non-blocking sockets by :mod:`bunshin_gym.serve.local_wire`.
 Requests are served one at a time, in order, between the env's other calls. A message
 started must end within :data:`IO_TIMEOUT` seconds, and an answer must be taken within as
 long, or the channel is closed (a stalled client holds its own env's thread that long, no
@@ -44,17 +45,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from bunshin_gym.errors import BunshinError
+from bunshin_gym.serve import local_wire
 from bunshin_gym.serve.auth import Principal
 from bunshin_gym.serve.channel import error_of, parse_request
-from bunshin_gym.serve.codec import (
-    CHANNEL_TIMING,
-    LOCAL_ANSWER,
-    LOCAL_ERROR,
-    LOCAL_HEADER,
-    LOCAL_JSON,
-    LOCAL_OK,
-    recv_exact,
-)
+from bunshin_gym.serve.codec import CHANNEL_TIMING, LOCAL_ANSWER, LOCAL_ERROR, LOCAL_JSON, LOCAL_OK
 from bunshin_gym.serve.envs_api import EnvLease
 from bunshin_gym.serve.registry import NotFound, Registry, ServeError
 
@@ -75,24 +69,17 @@ class MessageError(BunshinError):
     """A message that breaks the protocol (too long, of a kind not expected here)."""
 
 
-def read_message(sock: socket.socket, limit: int) -> tuple[int, bytearray]:
+def read_message(sock: socket.socket, limit: int, timeout: float = IO_TIMEOUT) -> tuple[int, memoryview]:
     """One message: its kind and its bytes (at most ``limit`` of them, else MessageError)."""
-    kind, n = LOCAL_HEADER.unpack(recv_exact(sock, LOCAL_HEADER.size))
-    if n > limit:
-        raise MessageError(f"a message of {n} bytes (at most {limit})")
-    return kind, recv_exact(sock, n)
+    try:
+        return local_wire.read(sock, limit, timeout)
+    except local_wire.TooLong as e:
+        raise MessageError(str(e)) from None
 
 
 def send_message(sock: socket.socket, kind: int, *parts: bytes | memoryview) -> None:
     """One message from ``parts`` (one system call when the socket takes it all: no copy)."""
-    buffers = [memoryview(LOCAL_HEADER.pack(kind, sum(len(p) for p in parts))), *map(memoryview, parts)]
-    while buffers:
-        sent = sock.sendmsg(buffers)
-        while buffers and sent >= buffers[0].nbytes:
-            sent -= buffers[0].nbytes
-            buffers.pop(0)
-        if buffers and sent:
-            buffers[0] = buffers[0][sent:]
+    local_wire.write(sock, kind, *parts, timeout=IO_TIMEOUT)
 
 
 def send_error(sock: socket.socket, e: BaseException) -> None:
@@ -188,10 +175,10 @@ class Listener:
 
     def _hello(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HELLO_TIMEOUT)
+            conn.setblocking(False)  # each read and write has its own deadline (local_wire)
             try:
-                kind, raw = read_message(conn, MAX_HELLO)
-                hello = json.loads(raw) if kind == LOCAL_JSON else None
+                kind, raw = read_message(conn, MAX_HELLO, HELLO_TIMEOUT)
+                hello = json.loads(bytes(raw)) if kind == LOCAL_JSON else None
             except (OSError, EOFError, MessageError, ValueError) as e:
                 log.info("local channel: a bad hello (%s): closed", e)
                 return
@@ -209,7 +196,6 @@ class Listener:
                 send_error(conn, e)
                 return
             send_message(conn, LOCAL_OK)
-            conn.settimeout(IO_TIMEOUT)
             sock, conn = conn, None  # the env's thread owns it now, also if attach fails
             try:
                 lease.runner.attach(sock, _Requests(self.registry, hello["env"], who), lease.idle_timeout or None)

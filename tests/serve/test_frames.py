@@ -416,3 +416,21 @@ def test_loads_reads_what_json_reads(raw):
 def test_loads_refuses_what_json_refuses_with_a_value_error(raw):
     with pytest.raises(ValueError):
         codec.loads(raw)
+
+
+@pytest.mark.parametrize("value", [
+    {"reward": float("nan"), "low": -float("inf"), "high": float("inf")},  # written as json writes them
+    {"reward": np.float32("nan"), "n": np.int64(7), "f": np.float64(0.1), "ok": np.bool_(True)},
+    {"big": 123456789012345678901234567890, "edge": 2**63 - 1, "neg": -(2**63) - 1},  # beyond orjson's 64 bits
+    {"s": "\ud800 lone surrogate", "t": "caf\u00e9 \U0001f600"},
+    {"z": -0.0, "tiny": 5e-324, "f": 0.1, "nested": [{"x": (1, 2.5, None)}], 3: "an int key"},
+])
+def test_an_answer_reads_back_as_json_would_give_it(value):
+    """The header is written by orjson where it writes the same values as ``json`` would,
+    by ``json`` elsewhere: NaN and infinities (orjson writes null), integers beyond 64 bits, lone
+    surrogates (orjson refuses them)."""
+    got = codec.decode(codec.encode(value))
+    want = json.loads(json.dumps(value, default=lambda v: v.item()))
+    if any(isinstance(v, np.generic) for v in value.values()):
+        want = {k: v.item() for k, v in value.items()}
+    assert repr(got) == repr(want)  # repr: NaN, -0.0, int and float told apart
