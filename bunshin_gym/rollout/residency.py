@@ -74,6 +74,11 @@ class Residency:
             return self.fixed
         return int(self.fraction * self.run_peak)
 
+    def sized_budget(self) -> int:
+        """The budget, the automatic one sized from the run's memory as it is now."""
+        self._size_from_run()
+        return self.budget
+
     @property
     def resident_bytes(self) -> int:
         with self._lock:

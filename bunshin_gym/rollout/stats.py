@@ -35,6 +35,11 @@ class CacheStats:
     snapshots: int = 0
     snapshot_s: float = 0.0
     snapshots_skipped: int = 0  # not taken: they would spare less replay than they cost
+    # of those, the ones not taken because a restore of them would be declined (restores_declined)
+    snapshots_too_large: int = 0
+    # bytes a restore of each snapshot taken would have copied onto the tmpfs (share clones
+    # served by uffd map such a copy; 0 elsewhere), measured when it was taken
+    snapshot_copy_bytes: int = 0
     # restores of a resident (hot) snapshot and of one read back from disk (cold), and their time
     restores_hot: int = 0
     restore_hot_s: float = 0.0

@@ -1,5 +1,6 @@
 """The prefix cache's snapshot policy: "interval" snapshots every k-th depth; "cost" only
-where the replay a snapshot spares took at least what a snapshot costs."""
+where the replay a snapshot spares took at least what a snapshot costs, and where a restore
+of it would not be declined by the memory budget."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def snapshotted(cache: PrefixCache) -> list[tuple[int, bool]]:
 
 @pytest.mark.parametrize("policy", ["interval", "cost"])
 def test_cost_snapshots_only_where_the_replay_it_spares_took_longer(tmp_path, policy):
-    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy=policy)
+    # a budget every snapshot fits (the next test is about the budget)
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy=policy, memory_budget=1 << 30)
     env = cache.wrap(gym.make("Bunshin-Shell-v0"))
     try:
         env.reset(options={"task": TASK})
@@ -52,6 +54,35 @@ def test_cost_snapshots_only_where_the_replay_it_spares_took_longer(tmp_path, po
             assert obs["output"] == "a\nb\nc\nd\ne\n"
         finally:
             again.close()
+    finally:
+        cache.clear()
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_cost_takes_no_snapshot_whose_restores_the_budget_would_decline(tmp_path, bound):
+    """A share clone restored from a snapshot maps a tmpfs copy of its page images; with
+    bounded restores, one whose copy exceeds the memory budget is never restored (replayed
+    instead). After the first snapshot measured that size, none is taken where it would not
+    fit; without the bound, the slow call is snapshotted as before."""
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy="cost",
+                        memory_budget=64 << 10, bound_restores=bound)  # 64 KiB: no shell image fits
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))  # share clones, served by userfaultfd
+    try:
+        env.reset(options={"task": TASK})
+        for action in ACTIONS:
+            env.step(action)
+        env.sync()
+    finally:
+        env.close()
+    try:
+        assert cache.stats.snapshot_copy_bytes > 64 << 10, cache.stats
+        taken = snapshotted(cache)
+        if bound:
+            assert taken == [(1, True), (2, False), (3, False), (4, False), (5, False)], taken
+            assert (cache.stats.snapshots_too_large, cache.stats.snapshots_skipped) == (4, 4)
+        else:
+            assert taken == [(1, True), (2, False), (3, False), (4, True), (5, False)], taken
+            assert (cache.stats.snapshots_too_large, cache.stats.snapshots_skipped) == (0, 3)
     finally:
         cache.clear()
 
