@@ -263,6 +263,10 @@ class PrefixCache(Counted):
         self.stats = CacheStats()
         self.use_spares = spares and overlap
         self.spares = SpareSupply(self.residency, self.count)
+        # the cost policy's first snapshot, taken to measure one, is being taken (the members'
+        # snapshots run in the background: they would all be "the first" until one is done)
+        self._measuring = False
+        self._measuring_lock = threading.Lock()
         for node in self.tree.nodes():
             if node.snapshot:
                 self.residency.add(node, _snapshot_size(node.snapshot))
@@ -282,11 +286,19 @@ class PrefixCache(Counted):
           snapshots of 54-89 MB images against a 30 MB budget took 134 s of the members' time
           in epoch 1 and none was ever restored (6 restores declined).
 
-        The first snapshot is taken to measure one."""
+        The first snapshot is taken to measure one, and no other until it is measured
+        (:meth:`snapshot_ended`)."""
         if node.depth % self.snapshot_every or node.snapshot:
             return False
-        if self.snapshot_policy == "interval" or not self.stats.snapshots:
+        if self.snapshot_policy == "interval":
             return True
+        if not self.stats.snapshots:
+            with self._measuring_lock:
+                measuring, self._measuring = self._measuring, True
+            if not measuring:
+                return True
+            self.count(snapshots_skipped=1)
+            return False
         mean_copy = self.stats.snapshot_copy_bytes / self.stats.snapshots
         if self.bound_restores and mean_copy > self.residency.sized_budget():
             self.count(snapshots_skipped=1, snapshots_too_large=1)
@@ -301,6 +313,12 @@ class PrefixCache(Counted):
             return True
         self.count(snapshots_skipped=1)
         return False
+
+    def snapshot_ended(self) -> None:
+        """A snapshot :meth:`want_snapshot` asked for was taken, or failed: with the cost
+        policy, the next one may be the first to measure if none was measured yet."""
+        with self._measuring_lock:
+            self._measuring = False
 
     def save(self) -> None:
         self.tree.save()
@@ -719,6 +737,12 @@ class PrefixCacheWrapper(BunshinWrapper):
         return EnvSnapshot(ws_snap, self.env.unwrapped.task, st.get("steps", node.depth), False, st.get("episode", {}))
 
     def _snapshot(self, node: Node) -> None:
+        try:
+            self._take_snapshot(node)
+        finally:
+            self.cache.snapshot_ended()
+
+    def _take_snapshot(self, node: Node) -> None:
         t0 = time.perf_counter()
         base = self.env.unwrapped
         snap = base.snapshot(keep=True, prefix=node.sig[:200])

@@ -4,6 +4,8 @@ of it would not be declined by the memory budget."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gymnasium as gym
 import pytest
 
@@ -85,6 +87,19 @@ def test_cost_takes_no_snapshot_whose_restores_the_budget_would_decline(tmp_path
             assert (cache.stats.snapshots_too_large, cache.stats.snapshots_skipped) == (0, 3)
     finally:
         cache.clear()
+
+
+def test_cost_measures_its_first_snapshot_once_not_once_per_member(tmp_path):
+    """Members snapshot in the background: until the first snapshot is measured, every member
+    would take "the first" (8 at once on the web env, 17 s of member time each). One is
+    taken; the others wait for its measure; one that failed lets the next try."""
+    cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy="cost")
+    a, b, c = (SimpleNamespace(depth=1, snapshot=None, parent=None, duration=5.0) for _ in range(3))
+    assert cache.want_snapshot(a)  # the first: taken to measure one
+    assert not cache.want_snapshot(b)  # another member's, while the first is being taken
+    cache.snapshot_ended()  # the first failed: nothing was measured
+    assert cache.want_snapshot(c)
+    assert cache.stats.snapshots_skipped == 1 and cache.stats.snapshots_too_large == 0
 
 
 def test_an_unknown_policy_is_refused(tmp_path):
