@@ -168,6 +168,11 @@ class Channel:
                 self._drop()
                 raise ChannelBroken(f"the channel broke while the request was out ({e}); "
                                     "it may have run") from None
+            except BaseException:
+                # interrupted (Ctrl-C, an error in meanwhile) with the request out: its answer
+                # must not be read as the next request's
+                self._drop()
+                raise
         if frame.opcode is Opcode.TEXT:
             raise ChannelRefusal(json.loads(frame.data))
         server_s, encode_s = TIMING.unpack_from(frame.data)
@@ -285,6 +290,9 @@ class LocalChannel:
             except OSError as e:
                 self._drop()
                 raise ChannelBroken(f"the request could not be sent whole ({e}); it may have run") from None
+            except BaseException:
+                self._drop()  # interrupted (Ctrl-C) with part of the request out: never finish it
+                raise
             sock = self._sock
             try:
                 if meanwhile is not None:
@@ -294,6 +302,11 @@ class LocalChannel:
                 self._drop()
                 raise ChannelBroken(f"the channel broke while the request was out ({e or type(e).__name__}); "
                                     "it may have run") from None
+            except BaseException:
+                # interrupted (Ctrl-C, an error in meanwhile) with the request out: its answer
+                # must not be read as the next request's
+                self._drop()
+                raise
         if kind == LOCAL_ERROR:
             raise ChannelRefusal(json.loads(bytes(data)))
         if kind != LOCAL_ANSWER or len(data) < TIMING.size:

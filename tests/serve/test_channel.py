@@ -111,6 +111,26 @@ def test_the_channel_has_the_http_api_s_auth(server, opts):
 
 
 @pytest.mark.parametrize("channel", ["websocket", True], ids=["websocket", "local"])  # True: the local one here
+def test_a_call_interrupted_with_its_request_out_leaves_no_answer_for_the_next(server, opts, channel):
+    """Ctrl-C (or an error in the work done while waiting) after the request went out: its
+    answer still comes, and must not be taken for the next request's."""
+    env = RemoteEnv(ENV, server.url, token=ALICE, channel=channel)
+    try:
+        env.reset(options=TASK)
+        assert isinstance(env._channel, LocalChannel) == (channel is True)
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            env._channel.call("step", {"action": "sleep 0.3; echo first >> /tmp/log; echo first"}, interrupted)
+        assert env.step("echo second")[0]["output"] == "second\n"
+        assert env.step("cat /tmp/log")[0]["output"] == "first\n", "the interrupted step ran once"
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("channel", ["websocket", True], ids=["websocket", "local"])  # True: the local one here
 def test_a_dropped_channel_is_opened_again_and_a_broken_request_is_not_sent_twice(server, opts, channel):
     env = RemoteEnv(ENV, server.url, token=ALICE, channel=channel)
     try:
