@@ -17,6 +17,7 @@ import select
 import socket
 import time
 
+from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve.codec import LOCAL_HEADER
 
 #: bytes a read asks for first: a step's answer without pixels (a few hundred bytes) or a
@@ -24,7 +25,7 @@ from bunshin_gym.serve.codec import LOCAL_HEADER
 FIRST_READ = 16 << 10
 
 
-class TooLong(ValueError):
+class TooLong(BunshinError, ValueError):
     """A message longer than the reader takes (its length is in the message)."""
 
     def __init__(self, length: int, limit: int):
