@@ -18,6 +18,18 @@ ACTIONS = ["echo a > /home/user/a", "echo b > /home/user/b", "echo c > /home/use
            "sleep 3; echo d > /home/user/d", "echo e > /home/user/e"]
 
 
+def run_actions(cache: PrefixCache) -> None:
+    """One episode of the task through ``cache``: ACTIONS, then wait for its snapshots."""
+    env = cache.wrap(gym.make("Bunshin-Shell-v0"))  # share clones, served by userfaultfd
+    try:
+        env.reset(options={"task": TASK})
+        for action in ACTIONS:
+            env.step(action)
+        env.sync()
+    finally:
+        env.close()
+
+
 def snapshotted(cache: PrefixCache) -> list[tuple[int, bool]]:
     """(depth, whether it has a snapshot) of each recorded call, by depth."""
     return sorted((n.depth, bool(n.snapshot)) for n in cache.tree.nodes() if n.depth)
@@ -27,16 +39,9 @@ def snapshotted(cache: PrefixCache) -> list[tuple[int, bool]]:
 def test_cost_snapshots_only_where_the_replay_it_spares_took_longer(tmp_path, policy):
     # a budget every snapshot fits (the next test is about the budget)
     cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy=policy, memory_budget=1 << 30)
-    env = cache.wrap(gym.make("Bunshin-Shell-v0"))
-    try:
-        env.reset(options={"task": TASK})
-        # the first snapshot is taken to measure one; quick calls spare less than it costs,
-        # a slow call (and what came before it since the last snapshot) spares more
-        for action in ACTIONS:
-            env.step(action)
-        env.sync()
-    finally:
-        env.close()
+    # the first snapshot is taken to measure one; quick calls spare less than it costs, a slow
+    # call (and what came before it since the last snapshot) spares more
+    run_actions(cache)
     try:
         taken = snapshotted(cache)
         if policy == "interval":
@@ -68,14 +73,7 @@ def test_cost_takes_no_snapshot_whose_restores_the_budget_would_decline(tmp_path
     fit; without the bound, the slow call is snapshotted as before."""
     cache = PrefixCache(tmp_path / "cache", snapshot_every=1, snapshot_policy="cost",
                         memory_budget=64 << 10, bound_restores=bound)  # 64 KiB: no shell image fits
-    env = cache.wrap(gym.make("Bunshin-Shell-v0"))  # share clones, served by userfaultfd
-    try:
-        env.reset(options={"task": TASK})
-        for action in ACTIONS:
-            env.step(action)
-        env.sync()
-    finally:
-        env.close()
+    run_actions(cache)
     try:
         assert cache.stats.snapshot_copy_bytes > 64 << 10, cache.stats
         taken = snapshotted(cache)
