@@ -441,11 +441,19 @@ class WorkspaceEnv(gym.Env):
         if self._ws is None:
             return
         current = self._reset_is_current
-        snap = state or (self._reset_snap if current else self.snapshot())
+        snap = state or self._dumped_state() or self.snapshot()
         self.release_connections()
         ws, self._ws, self._pending = self._ws, None, snap
         self._reset_is_current = current  # the pending state is still the reset's
         ws.close()
+
+    def _dumped_state(self) -> EnvSnapshot | None:
+        """The live state as already dumped, if it is: a parked or lazy env's pending
+        snapshot, or the reset snapshot with nothing done since (it is taken after the
+        reset's observation); None when the state exists only in the live workspace."""
+        if self._ws is None:
+            return self._pending
+        return self._reset_snap if self._reset_is_current else None
 
     # fork API --------------------------------------------------------------------------
     @_locked
@@ -509,10 +517,7 @@ class WorkspaceEnv(gym.Env):
             workspaces = [None] * n
         else:
             self.release_connections()
-            # a state already dumped (a parked or lazy env's pending snapshot, or the reset
-            # snapshot with nothing done since: it is taken after the reset's observation) is
-            # forked as it is, not dumped again
-            kept = self._pending if self._ws is None else self._reset_snap if self._reset_is_current else None
+            kept = self._dumped_state()  # forked as it is, not dumped again
             source = kept.workspace if kept is not None else self.workspace
             workspaces = source.fork(n, mode=mode or self.memory_mode)
         envs = []

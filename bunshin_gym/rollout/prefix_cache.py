@@ -751,9 +751,10 @@ class PrefixCacheWrapper(BunshinWrapper):
                 _delete_snapshot(snap.id)
                 return
             node.snapshot, node.state = snap.id, {"steps": snap.steps, "episode": snap.state}
-        copies = copy_bytes(snap.id) if _maps_copies(base.memory_mode) else 0  # before one is kept
+        maps_copies = _maps_copies(base.memory_mode)
+        copies = copy_bytes(snap.id) if maps_copies else 0  # before one is kept
         self.cache.residency.add(node, snap.workspace.size())
-        if self.cache.residency.is_resident(node) and _maps_copies(base.memory_mode):
+        if self.cache.residency.is_resident(node) and maps_copies:
             keep_copy(snap.id, make=True)  # hot: its restores find their copy made (off the caller's path)
         self.cache.count(snapshots=1, snapshot_s=time.perf_counter() - t0, snapshot_copy_bytes=copies)
 
