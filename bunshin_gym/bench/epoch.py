@@ -432,6 +432,7 @@ TARGETS = [
     (">= 65% of tool calls served by cache or speculation by epoch 3 (full; paper 65%)", "hit_rate"),
     ("rewards identical across modes, every epoch", "rewards"),
     ("a restore from a hot snapshot is cheaper than from disk (cold)", "restores"),
+    ("no rollout's workspace fails, in any mode", "failures"),
 ]
 
 
@@ -477,6 +478,9 @@ def evaluate_targets(res: dict) -> list[dict]:
     elif r and r["hot"]["mean_s"] and r["cold"]["mean_s"]:  # a run saved before medians were
         hot, cold = r["hot"]["mean_s"], r["cold"]["mean_s"]
         add(6, f"hot {hot} s, cold {cold} s ({cold / hot:.2f}x)", hot < cold)
+    failed = {k: sum(len(e.get("workspace_failures", ())) for e in v["epochs"]) for k, v in m.items()}
+    if all("workspace_failures" in e for v in m.values() for e in v["epochs"]):  # not in older runs
+        add(7, ", ".join(f"{k} {n}" for k, n in failed.items()) + " failed", not any(failed.values()))
     return out
 
 
@@ -528,9 +532,12 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     wall = time.perf_counter() - clock
     served = {"cache": 0, "speculation": 0, "executed": 0}
     rewards = []
-    for group_res in results:
-        for start, reward, _wall, kinds, end in group_res:
+    failures = []  # episodes a failed workspace ended (reward 0): none is expected in any mode
+    for k, group_res in enumerate(results):
+        for member, (start, reward, _wall, kinds, end, failure) in enumerate(group_res):
             rewards.append(reward)
+            if failure is not None:
+                failures.append({"task": recs[k]["task"], "member": member, "error": failure})
             spans.append((round(start, 2), round(end, 2)))
             for kind in kinds:
                 served[kind] += 1
@@ -539,7 +546,7 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     return {
         "epoch": recs[0]["epoch"] + 1 if recs else 0, "wall_s": round(wall, 2), "served": served,
         "served_fraction": round((served["cache"] + served["speculation"]) / total, 3) if total else 0.0,
-        "rewards": rewards, "member_spans": spans, "running": running_curve(spans),
+        "rewards": rewards, "workspace_failures": failures, "member_spans": spans, "running": running_curve(spans),
         "memory": memory_figures(trace),
         "memory_trace": [(t, round(m / 2**20, 1)) for t, m in trace],
         "memory_parts_at_peak": _parts_at_peak(mem),
@@ -668,13 +675,13 @@ def summarise(res: dict) -> str:
             rows.append([mode, e["epoch"], e["wall_s"], e["served"]["cache"], e["served"]["speculation"],
                          e["served"]["executed"], f"{e['served_fraction'] * 100:.1f}%", e["memory"]["peak_mb"],
                          e["memory"]["integral_gb_s"], f"{sum(e['rewards']) / max(1, len(e['rewards'])):.3f}",
-                         e.get("load_average_1m", "")])
+                         len(e.get("workspace_failures", ())), e.get("load_average_1m", "")])
     lines = [f"{res['env']}: {len(res['tasks'])} tasks x G={res['group']} x {res['epochs']} epochs "
              f"({res['parallel'] or 'all'} group(s) at a time); think time {res['think_distribution']}",
              f"load average (1, 5, 15 min) at start {res['load_average'].get('start')}, "
              f"at end {res['load_average'].get('end')}", "",
              table(rows, ["mode", "epoch", "wall s", "cache", "spec", "executed", "served", "peak MB", "GB*s",
-                          "mean reward", "load"]), ""]
+                          "mean reward", "failed", "load"]), ""]
     lines.append(table([[t["figure"], t["target"], t["measured"], _mark(t["ok"])] for t in res["targets"]],
                        ["figure", "target", "measured", "ok"]))
     r = res.get("restores")
@@ -684,6 +691,12 @@ def summarise(res: dict) -> str:
                   "each, alternating), median seconds per phase:",
                   table([[k, r[k]["median_s"], *r[k]["phases_median_s"].values()] for k in RESTORE_KINDS if k in r],
                         ["restore", "total", *names])]
+    failures = [(mode, e["epoch"], f) for mode, m in res["modes"].items() for e in m["epochs"]
+                for f in e.get("workspace_failures", ())]
+    if failures:
+        lines += ["", "episodes ended by a failed workspace:"]
+        lines += [f"  {mode} epoch {epoch}: {f['task']} member {f['member']}: {f['error']}"
+                  for mode, epoch, f in failures]
     noise = run_to_run_noise(res)
     if noise is not None:
         lines.append(f"\nrun-to-run noise: spec's epoch 1 runs exactly as share-base's (no log to speculate from "

@@ -104,18 +104,21 @@ class MemorySampler:
 
 def replay_group(rec: dict, group: int, cache: PrefixCache | None, spec: Speculation | None,
                  log: TrajectoryLog | None, *, env_id: str = "Bunshin-Shell-v0", env_kwargs: dict | None = None,
-                 kind: str = "shell", clock: float | None = None) -> list[tuple[float, float, list[str], float]]:
+                 kind: str = "shell", clock: float | None = None
+                 ) -> list[tuple[float, float, list[str], float, str | None]]:
     """Replay one recorded group (``rec["members"]``: each member's actions and think times).
 
     Per member: reward, wall time, how each call was served ("cache", "speculation",
-    "executed"), and when it ended (seconds after ``clock``, a ``perf_counter`` reading;
-    default: the group's start)."""
+    "executed"), when it ended (seconds after ``clock``, a ``perf_counter`` reading;
+    default: the group's start), and the error of a workspace that failed under it (None:
+    none did; the episode then ended early with reward 0, which a benchmark must report)."""
     members = rec["members"]
     clock = time.perf_counter() if clock is None else clock
     envs = gym.make_vec(env_id, num_envs=group, vectorization_mode="vector_entry_point",
                         cache=cache, speculation=spec, **(env_kwargs or {}))
     kinds: list[list[str]] = [[] for _ in range(group)]
     ends = [0.0] * group
+    failures: list[str | None] = [None] * group
     seen: list[object] = [None] * group  # the observation each member's next call is made from
 
     def policy(i, obs, hist):
@@ -133,12 +136,14 @@ def replay_group(rec: dict, group: int, cache: PrefixCache | None, spec: Specula
                        served=served, observation=observation_text(seen[i]))
         kinds[i].append(served)
         ends[i] = time.perf_counter() - clock
+        if info.get("workspace_failed"):
+            failures[i] = str(info.get("error"))
 
     try:
         trajs = envs.run_group(policy, options={"task": rec["task"]}, on_step=on_step)
     finally:
         envs.close()
-    return [(t.reward, t.wall_s, kinds[t.member], ends[t.member]) for t in trajs]
+    return [(t.reward, t.wall_s, kinds[t.member], ends[t.member], failures[t.member]) for t in trajs]
 
 
 def run_mode(mode: str, trajectories: list[dict], epochs: int, group: int, work: Path) -> dict:
@@ -157,7 +162,7 @@ def run_mode(mode: str, trajectories: list[dict], epochs: int, group: int, work:
         with MemorySampler() as mem:
             for rec in (r for r in trajectories if r["epoch"] == epoch):
                 offset = time.perf_counter() - t_epoch
-                for reward, wall_s, kinds, _ in replay_group(rec, group, cache, spec, None if cache else log):
+                for reward, wall_s, kinds, _, _ in replay_group(rec, group, cache, spec, None if cache else log):
                     rewards.append(reward)
                     running.append((round(offset, 2), round(offset + wall_s, 2)))
                     for kind in kinds:

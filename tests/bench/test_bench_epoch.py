@@ -288,3 +288,31 @@ def test_quick_run_on_the_desktop(tmp_path):
     assert again["trajectories"] == doc["trajectories"] and again["seed"] == 3
     assert [e["rewards"] for e in again["modes"]["share-base"]["epochs"]] == \
         [e["rewards"] for e in doc["modes"]["share-base"]["epochs"]]
+
+
+def test_an_episode_ended_by_a_failed_workspace_is_reported_and_fails_its_target():
+    res = _results()
+    assert E.TARGETS[7][0] not in {t["target"] for t in E.evaluate_targets(res)}  # a run saved before: no row
+    for m in res["modes"].values():
+        for e in m["epochs"]:
+            e["workspace_failures"] = []
+    row = {t["target"]: t for t in E.evaluate_targets(res)}[E.TARGETS[7][0]]
+    assert row["ok"] and row["measured"] == "copy-base 0, share-base 0, spec 0, full 0 failed"
+    res["modes"]["spec"]["epochs"][1]["workspace_failures"] = [
+        {"task": "osworld/editor-fix-port", "member": 3, "error": "the workspace failed: gone"}]
+    res["targets"] = E.evaluate_targets(res)
+    row = {t["target"]: t for t in res["targets"]}[E.TARGETS[7][0]]
+    assert not row["ok"] and "spec 1" in row["measured"]
+    text = E.summarise(res)
+    assert "spec epoch 2: osworld/editor-fix-port member 3: the workspace failed: gone" in text
+
+
+def test_run_epoch_keeps_which_member_a_failed_workspace_ended(tmp_path, monkeypatch):
+    def replay_group(rec, group, cache, spec, log, **kwargs):  # member 1's workspace failed
+        return [(1.0, 2.0, ["executed"], 2.0, None), (0.0, 1.0, ["executed"], 1.0, "the workspace failed: x")]
+
+    monkeypatch.setattr(E, "replay_group", replay_group)
+    e = E.run_epoch(E._ModeState("share-base", tmp_path), [{"epoch": 0, "task": "t", "kind": "shell", "members": []}],
+                    env_id=E.OSWORLD, group=2, parallel=1, min_speculate_s=0.8)
+    assert e["rewards"] == [1.0, 0.0]
+    assert e["workspace_failures"] == [{"task": "t", "member": 1, "error": "the workspace failed: x"}]
