@@ -19,6 +19,14 @@ chain's next one (by :func:`signature` under the env's rules):
   background; the actual call runs from the last valid state, the env's own workspace,
   and nothing the chain ran after the last match is adopted.
 
+Time: a fork is worth launching only if it is ready before the policy sends its next call.
+The wrapper times the policy's turns (from an observation returned to the next call) and the
+forks (until ready, cancelled ones too); once a few of each are measured, a prediction whose
+fork is expected to come later than the call (median against median) is skipped
+(``stats.skipped_slow_fork``), as on a loaded host where a desktop fork takes seconds and a
+turn one: such a fork only costs (``unstarted``). One such prediction in
+:data:`RETRY_EVERY` is launched all the same, so that forks are timed again as the load changes.
+
 Speculative forks have no external network (workspaces only have ``lo``).
 
 Memory: the live speculative forks of a run, with the snapshots they hold (the fork's own
@@ -45,6 +53,7 @@ import logging
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +75,11 @@ logger = logging.getLogger(__name__)
 #: the speculative forks' share of the run's peak memory (with the prefix cache's 2%, a
 #: Full run stays within 5% of one without either, the paper's +1 GiB over 69 GiB)
 MEMORY_FRACTION = 0.03
+#: forks and policy turns measured before a fork slower than the policy's turn is refused
+TIMING_WARMUP = 5
+#: of the predictions refused for a slow fork, one in this many is launched all the same, so
+#: that fork times are measured again (the load, and with it the fork's time, changes)
+RETRY_EVERY = 10
 
 
 @dataclass
@@ -77,6 +91,7 @@ class SpecStats:
     mismatched: int = 0
     unstarted: int = 0  # predicted right but the fork was not ready: ran normally
     skipped_memory: int = 0  # predictions whose fork did not fit in the memory budget
+    skipped_slow_fork: int = 0  # predictions whose fork would be ready only after the policy's call
     fork_s: float = 0.0
 
     def as_dict(self) -> dict:
@@ -125,6 +140,9 @@ class Speculation(Counted):
         self._held: dict[int, int] = {}  # bytes each live fork holds (or is expected to), by chain
         self._fork_costs: list[int] = []  # bytes measured of forks so far
         self._memory_lock = threading.Lock()
+        self._fork_times: deque[float] = deque(maxlen=64)  # seconds until a fork was ready, latest
+        self._turn_times: deque[float] = deque(maxlen=256)  # seconds the policy took to send a call
+        self._refused_slow = 0
 
     @classmethod
     def from_log(cls, entries: list[dict], selector: SpecToolSelector | None = None, **kwargs: Any) -> Speculation:
@@ -147,6 +165,29 @@ class Speculation(Counted):
 
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
+
+    # time: is a fork ready before the call comes? ------------------------------------------
+    def note_fork(self, seconds: float) -> None:
+        """A speculative fork took this long to be ready (cancelled ones count: they measure the load)."""
+        self._fork_times.append(seconds)
+
+    def note_turn(self, seconds: float) -> None:
+        """The policy sent a call this long after the previous observation was returned."""
+        self._turn_times.append(seconds)
+
+    def fork_beats_policy(self) -> bool:
+        """Whether a fork is expected to be ready before the policy's next call: the median of
+        the latest forks' times against the median of the policy's turns. A fork ready only
+        after the call came is pure cost (``unstarted``: forked, then the call runs normally),
+        as on a loaded host whose desktop forks take seconds while a turn takes one. True
+        until both are measured (:data:`TIMING_WARMUP`), and for one refusal in
+        :data:`RETRY_EVERY`, so that forks are timed again as the load changes."""
+        if len(self._fork_times) < TIMING_WARMUP or len(self._turn_times) < TIMING_WARMUP:
+            return True
+        if statistics.median(self._fork_times) < statistics.median(self._turn_times):
+            return True
+        self._refused_slow += 1
+        return self._refused_slow % RETRY_EVERY == 0
 
     # memory of the live forks ------------------------------------------------------------
     @property
@@ -225,6 +266,7 @@ class SpeculativeWrapper(BunshinWrapper):
         self._chain: _Chain | None = None
         self._served_s = 0.0  # fork seconds of the call _take served last
         self._threads: list[threading.Thread] = []  # chain runs and fork discards under way
+        self._returned_at: float | None = None  # when the last observation went to the policy
 
     def _rewrap(self, inner: gym.Env) -> SpeculativeWrapper:
         twin = SpeculativeWrapper(inner, self.speculation)
@@ -241,6 +283,7 @@ class SpeculativeWrapper(BunshinWrapper):
         self.cancel_speculation()
         self.history, self.elapsed = [], 0.0
         self._launch(obs)
+        self._returned_at = time.perf_counter()
 
     def rollback(self, snapshot=None, **kwargs: Any):
         self.cancel_speculation()
@@ -249,6 +292,8 @@ class SpeculativeWrapper(BunshinWrapper):
     def step(self, action: Any):
         sig = signature(action, self.env)
         t0 = time.perf_counter()
+        if self._returned_at is not None:  # the policy's turn: what a fork has to beat
+            self.speculation.note_turn(t0 - self._returned_at)
         served = self._take(sig)
         if served is None:
             obs, reward, term, trunc, info = self.env.step(action)
@@ -261,6 +306,7 @@ class SpeculativeWrapper(BunshinWrapper):
         self.history.append(sig)
         if not (term or trunc) and self._chain is None:  # a chain under way keeps running ahead
             self._launch(obs)
+        self._returned_at = None if term or trunc else time.perf_counter()
         return obs, reward, term, trunc, info
 
     def wait_speculation(self, timeout: float = 60.0) -> bool:
@@ -276,6 +322,7 @@ class SpeculativeWrapper(BunshinWrapper):
         self.cancel_speculation()
         self.history.append(sig)
         self.elapsed += self.speculation.durations.get(sig, 0.0)
+        self._returned_at = time.perf_counter()  # the outer wrapper returns its served call now
 
     def set_cached(self, sigs: set[str]) -> None:
         self.cached = set(sigs)
@@ -350,6 +397,9 @@ class SpeculativeWrapper(BunshinWrapper):
         if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.threshold(base.task.id, self.elapsed):
             self.speculation.count(skipped_fast=1)
             return
+        if not self.speculation.fork_beats_policy():
+            self.speculation.count(skipped_slow_fork=1)
+            return
         chain = _Chain(calls)
         cost = self.speculation.fork_cost() if self.speculation.memory is not None else 0
         if not self.speculation.reserve(id(chain), cost):
@@ -382,6 +432,7 @@ class SpeculativeWrapper(BunshinWrapper):
             logger.debug("speculative fork failed", exc_info=True)
             return
         self.speculation.count(fork_s=time.perf_counter() - t0)
+        self.speculation.note_fork(time.perf_counter() - t0)
         self._measure(chain)
         for i, call in enumerate(chain.calls):
             if chain.cancelled.is_set():  # checked after the fork exists: _stop kills it otherwise
