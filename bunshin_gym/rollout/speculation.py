@@ -140,6 +140,7 @@ class Speculation(Counted):
         self._held: dict[int, int] = {}  # bytes each live fork holds (or is expected to), by chain
         self._fork_costs: list[int] = []  # bytes measured of forks so far
         self._memory_lock = threading.Lock()
+        self._timing_lock = threading.Lock()  # members' threads note timings while one reads them
         self._fork_times: deque[float] = deque(maxlen=64)  # seconds until a fork was ready, latest
         self._turn_times: deque[float] = deque(maxlen=256)  # seconds the policy took to send a call
         self._refused_slow = 0
@@ -169,11 +170,13 @@ class Speculation(Counted):
     # time: is a fork ready before the call comes? ------------------------------------------
     def note_fork(self, seconds: float) -> None:
         """A speculative fork took this long to be ready (cancelled ones count: they measure the load)."""
-        self._fork_times.append(seconds)
+        with self._timing_lock:
+            self._fork_times.append(seconds)
 
     def note_turn(self, seconds: float) -> None:
         """The policy sent a call this long after the previous observation was returned."""
-        self._turn_times.append(seconds)
+        with self._timing_lock:
+            self._turn_times.append(seconds)
 
     def fork_beats_policy(self) -> bool:
         """Whether a fork is expected to be ready before the policy's next call: the median of
@@ -182,12 +185,14 @@ class Speculation(Counted):
         as on a loaded host whose desktop forks take seconds while a turn takes one. True
         until both are measured (:data:`TIMING_WARMUP`), and for one refusal in
         :data:`RETRY_EVERY`, so that forks are timed again as the load changes."""
-        if len(self._fork_times) < TIMING_WARMUP or len(self._turn_times) < TIMING_WARMUP:
-            return True
-        if statistics.median(self._fork_times) < statistics.median(self._turn_times):
-            return True
-        self._refused_slow += 1
-        return self._refused_slow % RETRY_EVERY == 0
+        with self._timing_lock:
+            forks, turns = list(self._fork_times), list(self._turn_times)
+            if len(forks) < TIMING_WARMUP or len(turns) < TIMING_WARMUP:
+                return True
+            if statistics.median(forks) < statistics.median(turns):
+                return True
+            self._refused_slow += 1
+            return self._refused_slow % RETRY_EVERY == 0
 
     # memory of the live forks ------------------------------------------------------------
     @property
