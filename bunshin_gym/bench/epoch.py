@@ -65,6 +65,7 @@ from bunshin_gym.envs.osworld.oracle import to_computer_13
 from bunshin_gym.rollout import PrefixCache, Speculation, TrajectoryLog
 from bunshin_gym.rollout.runmemory import workspace_memory
 from bunshin_gym.rollout.speculation import MEMORY_FRACTION as SPEC_MEMORY_FRACTION
+from bunshin_gym.rollout.speculation import ForkTiming
 
 log = logging.getLogger(__name__)
 
@@ -495,6 +496,8 @@ class _ModeState:
     def __init__(self, mode: str, work: Path, cache_budget: int | None = None):
         self.mode = mode
         self.log = TrajectoryLog(work / f"{mode}-log.jsonl")
+        # each epoch's Speculation is trained anew on the log; what forks and turns took carries over
+        self.spec_timing = ForkTiming()
         budget = {} if cache_budget is None else {"memory_budget": cache_budget}
         self.cache = PrefixCache(work / f"{mode}-cache", snapshot_every=2, log=self.log,
                                  snapshot_policy=SNAPSHOT_POLICY, **budget) \
@@ -509,7 +512,8 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     spec = None
     entries = TrajectoryLog.load(state.log.path)
     if mode in ("spec", "full") and entries:
-        spec = Speculation.from_log(entries, min_duration=min_speculate_s, memory_fraction=spec_memory_fraction)
+        spec = Speculation.from_log(entries, min_duration=min_speculate_s, memory_fraction=spec_memory_fraction,
+                                    timing=state.spec_timing)
     kwargs = dict(ENV_KWARGS[env_id], memory_mode="copy" if mode == "copy-base" else "share")
     clock = time.perf_counter()
     results: list[list] = [[] for _ in recs]

@@ -99,6 +99,48 @@ class SpecStats:
         return {**vars(self), "accuracy": round(self.matched / done, 3) if done else 0.0}
 
 
+class ForkTiming:
+    """How long speculative forks take to be ready and the policy takes to send a call: the
+    latest of each, to tell whether a fork comes before the call it is made for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # members' threads note timings while one reads them
+        self._forks: deque[float] = deque(maxlen=64)
+        self._turns: deque[float] = deque(maxlen=256)
+        self._refused = 0
+
+    def note_fork(self, seconds: float) -> None:
+        """A speculative fork took this long to be ready (cancelled ones count: they measure the load)."""
+        with self._lock:
+            self._forks.append(seconds)
+
+    def note_turn(self, seconds: float) -> None:
+        """The policy sent a call this long after the previous observation was returned."""
+        with self._lock:
+            self._turns.append(seconds)
+
+    @property
+    def turns(self) -> list[float]:
+        with self._lock:
+            return list(self._turns)
+
+    def fork_beats_policy(self) -> bool:
+        """Whether a fork is expected to be ready before the policy's next call: the median of
+        the latest forks' times against the median of the policy's turns. A fork ready only
+        after the call came is pure cost (``unstarted``: forked, then the call runs normally),
+        as on a loaded host whose desktop forks take seconds while a turn takes one. True
+        until both are measured (:data:`TIMING_WARMUP`), and for one refusal in
+        :data:`RETRY_EVERY`, so that forks are timed again as the load changes."""
+        with self._lock:
+            forks, turns = list(self._forks), list(self._turns)
+            if len(forks) < TIMING_WARMUP or len(turns) < TIMING_WARMUP:
+                return True
+            if statistics.median(forks) < statistics.median(turns):
+                return True
+            self._refused += 1
+            return self._refused % RETRY_EVERY == 0
+
+
 class Speculation(Counted):
     """Shared configuration and statistics of speculative execution.
 
@@ -116,6 +158,8 @@ class Speculation(Counted):
             (:data:`MEMORY_FRACTION` is what keeps a Full run within 5% of share-base).
             With neither, speculation's memory is not bounded.
         run_memory: bytes the run uses now (default: this process's workspaces).
+        timing: the forks' and the policy's times measured so far (a new Speculation for a
+            new epoch, with a retrained selector, keeps what the last one measured).
     """
 
     #: the most the threshold is lowered for a slow task, and the factor for a straggler episode
@@ -125,7 +169,7 @@ class Speculation(Counted):
     def __init__(self, selector: SpecToolSelector, *, depth: int = 1, durations: dict[str, float] | None = None,
                  min_duration: float = 0.3, episode_times: dict[str, float] | None = None,
                  memory_budget: int | None = None, memory_fraction: float | None = None,
-                 run_memory: Callable[[], int] = run_bytes):
+                 run_memory: Callable[[], int] = run_bytes, timing: ForkTiming | None = None):
         self.selector = selector
         self.depth = max(1, depth)
         self.durations = durations or {}
@@ -140,10 +184,7 @@ class Speculation(Counted):
         self._held: dict[int, int] = {}  # bytes each live fork holds (or is expected to), by chain
         self._fork_costs: list[int] = []  # bytes measured of forks so far
         self._memory_lock = threading.Lock()
-        self._timing_lock = threading.Lock()  # members' threads note timings while one reads them
-        self._fork_times: deque[float] = deque(maxlen=64)  # seconds until a fork was ready, latest
-        self._turn_times: deque[float] = deque(maxlen=256)  # seconds the policy took to send a call
-        self._refused_slow = 0
+        self.timing = timing or ForkTiming()
 
     @classmethod
     def from_log(cls, entries: list[dict], selector: SpecToolSelector | None = None, **kwargs: Any) -> Speculation:
@@ -166,33 +207,6 @@ class Speculation(Counted):
 
     def wrap(self, env: gym.Env) -> SpeculativeWrapper:
         return SpeculativeWrapper(env, self)
-
-    # time: is a fork ready before the call comes? ------------------------------------------
-    def note_fork(self, seconds: float) -> None:
-        """A speculative fork took this long to be ready (cancelled ones count: they measure the load)."""
-        with self._timing_lock:
-            self._fork_times.append(seconds)
-
-    def note_turn(self, seconds: float) -> None:
-        """The policy sent a call this long after the previous observation was returned."""
-        with self._timing_lock:
-            self._turn_times.append(seconds)
-
-    def fork_beats_policy(self) -> bool:
-        """Whether a fork is expected to be ready before the policy's next call: the median of
-        the latest forks' times against the median of the policy's turns. A fork ready only
-        after the call came is pure cost (``unstarted``: forked, then the call runs normally),
-        as on a loaded host whose desktop forks take seconds while a turn takes one. True
-        until both are measured (:data:`TIMING_WARMUP`), and for one refusal in
-        :data:`RETRY_EVERY`, so that forks are timed again as the load changes."""
-        with self._timing_lock:
-            forks, turns = list(self._fork_times), list(self._turn_times)
-            if len(forks) < TIMING_WARMUP or len(turns) < TIMING_WARMUP:
-                return True
-            if statistics.median(forks) < statistics.median(turns):
-                return True
-            self._refused_slow += 1
-            return self._refused_slow % RETRY_EVERY == 0
 
     # memory of the live forks ------------------------------------------------------------
     @property
@@ -298,7 +312,7 @@ class SpeculativeWrapper(BunshinWrapper):
         sig = signature(action, self.env)
         t0 = time.perf_counter()
         if self._returned_at is not None:  # the policy's turn: what a fork has to beat
-            self.speculation.note_turn(t0 - self._returned_at)
+            self.speculation.timing.note_turn(t0 - self._returned_at)
         served = self._take(sig)
         if served is None:
             obs, reward, term, trunc, info = self.env.step(action)
@@ -402,7 +416,7 @@ class SpeculativeWrapper(BunshinWrapper):
         if self.speculation.durations.get(chain[0][0], 0.0) < self.speculation.threshold(base.task.id, self.elapsed):
             self.speculation.count(skipped_fast=1)
             return
-        if not self.speculation.fork_beats_policy():
+        if not self.speculation.timing.fork_beats_policy():
             self.speculation.count(skipped_slow_fork=1)
             return
         chain = _Chain(calls)
@@ -437,7 +451,7 @@ class SpeculativeWrapper(BunshinWrapper):
             logger.debug("speculative fork failed", exc_info=True)
             return
         self.speculation.count(fork_s=time.perf_counter() - t0)
-        self.speculation.note_fork(time.perf_counter() - t0)
+        self.speculation.timing.note_fork(time.perf_counter() - t0)
         self._measure(chain)
         for i, call in enumerate(chain.calls):
             if chain.cancelled.is_set():  # checked after the fork exists: _stop kills it otherwise

@@ -218,6 +218,7 @@ def test_speculation_in_spec_and_full_modes_is_bounded_by_a_share_of_the_runs_me
                     group=1, parallel=1, min_speculate_s=0.8)
         spec = seen["pyautogui"]
         assert spec.memory is not None and spec.memory.fixed is None  # sized from the run
+        assert spec.timing is state.spec_timing  # what forks took carries over to the next epoch
         assert spec.memory.fraction == MEMORY_FRACTION == 0.03
         if state.cache is not None:
             state.cache.clear()

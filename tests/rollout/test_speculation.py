@@ -232,28 +232,29 @@ def test_a_fork_slower_than_the_policys_turn_is_not_launched_but_retried_now_and
 
     spec = Speculation(SpecToolSelector.train(log_entries({"t/a": ["ls", "DONE"]})))
     for _ in range(TIMING_WARMUP - 1):  # not measured enough yet: launched
-        spec.note_fork(5.0)
-        spec.note_turn(1.0)
-    assert spec.fork_beats_policy()
-    spec.note_fork(5.0)
-    spec.note_turn(1.0)
-    answers = [spec.fork_beats_policy() for _ in range(2 * RETRY_EVERY)]
+        spec.timing.note_fork(5.0)
+        spec.timing.note_turn(1.0)
+    assert spec.timing.fork_beats_policy()
+    spec.timing.note_fork(5.0)
+    spec.timing.note_turn(1.0)
+    answers = [spec.timing.fork_beats_policy() for _ in range(2 * RETRY_EVERY)]
     assert answers.count(True) == 2 and answers[RETRY_EVERY - 1] and answers[-1]  # the retries
     for _ in range(64):  # forks got fast (the load dropped): the latest decide
-        spec.note_fork(0.2)
-    assert spec.fork_beats_policy()
+        spec.timing.note_fork(0.2)
+    assert spec.timing.fork_beats_policy()
 
 
 def test_the_wrapper_times_the_policys_turns_and_skips_forks_that_would_come_late():
     spec, env = speculative_env(duration=1.0)
     try:
         for _ in range(5):
-            spec.note_fork(30.0)  # forks measured far slower than any turn here
+            spec.timing.note_fork(30.0)  # forks measured far slower than any turn here
         env.reset(options={"task": "shell/make-dir"})
         for _ in range(5):
             time.sleep(0.05)
             env.step("true")
-        assert len(spec._turn_times) == 5 and all(0.05 <= t < 5.0 for t in spec._turn_times)
+        turns = spec.timing.turns
+        assert len(turns) == 5 and all(0.05 <= t < 5.0 for t in turns)
         launched = spec.stats.launched
         env.reset(options={"task": "shell/make-dir"})  # the prediction after reset: SLOW, worth 1 s
         assert spec.stats.launched == launched and spec.stats.skipped_slow_fork >= 1
