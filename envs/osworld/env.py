@@ -174,6 +174,11 @@ class OSWorldEnv(WorkspaceEnv):
     """
 
     default_image = "osworld"
+    #: seconds the X server inside the workspace has for one screenshot's reply (it is not
+    #: trusted: a reply is bounded as a whole). 10 s was too short for a whole 1920x1080 frame
+    #: (8 MB) at the paper's size on 2 cores: at load 20 one came 7.8 of 8.3 MB in, and the
+    #: episode ended on a live workspace ("the workspace failed"), its reward lost
+    SCREENSHOT_TIMEOUT_S = 30.0
 
     def __init__(self, task: Any = None, *, action_space: str = "computer_13",
                  screen_size: tuple[int, int] = (1920, 1080), require_a11y_tree: bool = True,
@@ -384,7 +389,7 @@ class OSWorldEnv(WorkspaceEnv):
         if self._x is None or self._x.path != path or self._x.damage != self.track_damage:
             if self._x is not None:
                 self._x.close()
-            self._x = XScreen(path, damage=self.track_damage)
+            self._x = XScreen(path, damage=self.track_damage, timeout=self.SCREENSHOT_TIMEOUT_S)
         try:
             return self._x.capture()
         except OSError as e:  # XError too: the X server is inside the workspace and may misbehave
