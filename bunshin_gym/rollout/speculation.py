@@ -450,8 +450,9 @@ class SpeculativeWrapper(BunshinWrapper):
         except Exception:  # noqa: BLE001 - no fork, no speculation (the actual call runs normally)
             logger.debug("speculative fork failed", exc_info=True)
             return
-        self.speculation.count(fork_s=time.perf_counter() - t0)
-        self.speculation.timing.note_fork(time.perf_counter() - t0)
+        fork_s = time.perf_counter() - t0
+        self.speculation.count(fork_s=fork_s)
+        self.speculation.timing.note_fork(fork_s)
         self._measure(chain)
         for i, call in enumerate(chain.calls):
             if chain.cancelled.is_set():  # checked after the fork exists: _stop kills it otherwise

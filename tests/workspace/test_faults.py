@@ -143,8 +143,9 @@ def _procs(ws: Workspace) -> set[str]:
 
 def _procs_settled(ws: Workspace, expected: set[str], reads: int = 10) -> set[str]:
     """The workspace's processes, read again (0.1 s apart, a few times) while they differ from
-    ``expected``: ``ps`` can catch the counter's shell between a fork and its child's exec (one
-    full CI run in about ten saw its row so); a lasting change still shows in every read."""
+    ``expected``: one full run read them once without the counter's shell while the workspace
+    kept counting, and every rerun passed (a moment caught between the shell's fork and its
+    child's exec is the likely reading, not proven); a lasting change still shows in every read."""
     got = _procs(ws)
     for _ in range(reads - 1):
         if got == expected:
