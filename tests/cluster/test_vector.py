@@ -125,7 +125,8 @@ def test_a_cluster_group_is_placed_where_its_task_is_cached_and_survives_its_hos
             stepped = envs.step([oracle[0], "echo 0 > answer.txt"])
             _, rewards, _, _, infos = envs.step(["DONE", "DONE"])
             # (what each member saw, should a member's workspace have failed on the new host)
-            assert list(rewards) == [1.0, 0.0], {"first step": stepped, "done": infos}
+            assert list(rewards) == [1.0, 0.0], {"first step's outputs": list(stepped[0]["output"]),
+                                                 "first step's infos": stepped[4], "done": infos}
         finally:
             envs.close()
         report = c.shutdown()

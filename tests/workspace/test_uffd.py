@@ -8,11 +8,13 @@ monitor's own numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -97,6 +99,36 @@ def _rollup(pids: list[int]) -> dict[str, int]:
             k, _, v = line.partition(":")
             tot[k] = tot.get(k, 0) + int(v.split()[0]) * 1024
     return tot
+
+
+def test_first_uses_at_once_mount_one_images_tmpfs(tmp_path):
+    """The race CI caught on a cluster host's first share forks: each use that saw no tmpfs
+    mounted one, the second on top of the first, and a copy under way in the first lost its
+    directory (FileNotFoundError on .../uffd-images/snap-*/ids-1.img)."""
+    p = dataclasses.replace(paths(), run=tmp_path / "run")
+    root = p.run / "uffd-images"
+    start = threading.Barrier(8)
+    errors = []
+
+    def first_use():
+        try:
+            start.wait()
+            uffd.images_root(p)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line for line in f if line.split()[4] == str(root)]
+        assert not errors and len(mounts) == 1, (errors, mounts)
+    finally:
+        while os.path.ismount(root):
+            subprocess.run(["umount", str(root)], check=True)
 
 
 def test_share_mode_reports_uffd():
