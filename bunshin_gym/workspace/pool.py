@@ -312,7 +312,11 @@ def limit_subvolume(path: Path, max_bytes: int) -> None:
     elif quota_mode(path.parent) is None:
         return
     # qgroupid 0: the subvolume of the descriptor; the kernel's "no limit" is all ones
-    _ioctl(path, _IOC_QGROUP_LIMIT, struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, max_bytes or (1 << 64) - 1, 0, 0, 0))
+    try:
+        _ioctl(path, _IOC_QGROUP_LIMIT, struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, max_bytes or (1 << 64) - 1, 0, 0, 0))
+    except OSError as e:  # named: a bare OSError out of a fork says neither what nor where
+        raise WorkspaceError(f"setting the disk limit of subvolume {path} to {max_bytes} bytes failed: "
+                             f"{e.strerror or e}") from e
 
 
 def disk_usage(path: Path) -> tuple[int, int] | None:
