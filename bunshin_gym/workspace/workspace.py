@@ -34,7 +34,7 @@ from bunshin_gym.config import Limits, Paths, paths
 from bunshin_gym.workspace import forking, hostlimits, idmap, memory, pool, records, spares, teardown
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
-from bunshin_gym.workspace.errors import AgentError, SnapshotError, WorkspaceClosed, WorkspaceError
+from bunshin_gym.workspace.errors import AgentError, ForkError, SnapshotError, WorkspaceClosed, WorkspaceError
 from bunshin_gym.workspace.images import ImageStore
 from bunshin_gym.workspace.memory import DEFAULT_MODE, MemoryMode
 from bunshin_gym.workspace.memstat import rollup
@@ -569,9 +569,11 @@ class Snapshot(StoredSnapshot):
             for ws in clones:
                 if not _holder:
                     ws._connect()
-        except BaseException:
+        except BaseException as e:
             for ws in clones:
                 ws.close()
+            if isinstance(e, OSError):  # e.g. a file of the fork gone under it: say which fork
+                raise ForkError(f"fork of {n} from snapshot {self.id} failed: {type(e).__name__}: {e}") from e
             raise
         return clones
 

@@ -180,7 +180,7 @@ def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_r
             return real(src, dst, readonly)
 
         monkeypatch.setattr(forking.pool, "snapshot_subvolume", third_fails)
-        with pytest.raises(OSError, match="injected"):
+        with pytest.raises(ForkError, match="OSError: .*injected"):
             snap.fork(6)
         monkeypatch.undo()
         assert len(calls) == 6  # the other clones were started: they are what must be cleaned up
@@ -197,6 +197,37 @@ def test_a_clone_that_fails_to_start_mid_fan_out_leaves_nothing_and_the_source_r
         finally:
             clone.close()
     finally:
+        ws.close()
+        if snap is not None:
+            snap.delete()
+
+
+def test_an_os_error_in_a_fork_is_a_fork_error_naming_the_snapshot(monkeypatch):
+    """CI once saw a fork fail on a file of the images' copy gone under it (the tmpfs mounted
+    twice, since fixed): the bare FileNotFoundError reached the env, which took it for a bug in
+    the action and went on with a member that had no workspace. An OSError in a fork is now a
+    ForkError naming the snapshot (the cause chained); nothing of the clones is left and the
+    source runs on."""
+    from bunshin_gym.workspace import uffd
+    from bunshin_gym.workspace.records import all_records
+
+    ws = Workspace.create("base")
+    snap = None
+    try:
+        snap = ws.snapshot()
+        before = {r.id for r in all_records(paths())}
+
+        def gone(*args, **kwargs):
+            raise FileNotFoundError(2, "No such file or directory", "/run/bunshin/uffd-images/x/ids-1.img")
+
+        monkeypatch.setattr(uffd, "prepare_images", gone)
+        with pytest.raises(ForkError, match=f"fork of 2 from snapshot {snap.id} failed: FileNotFoundError") as ei:
+            snap.fork(2, mode="share")
+        assert isinstance(ei.value.__cause__, FileNotFoundError)
+        assert {r.id for r in all_records(paths())} == before  # the clones' records, cgroups, layers: reclaimed
+        assert sh(ws, "echo alive").strip() == "alive"
+    finally:
+        monkeypatch.undo()
         ws.close()
         if snap is not None:
             snap.delete()
