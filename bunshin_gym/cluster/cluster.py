@@ -284,11 +284,25 @@ class BunshinCluster:
         self.index.apply(host, ray.get(self.hosts[host].events.remote()))
 
     # faults ----------------------------------------------------------------------------
-    def kill_host(self, name: str) -> None:
-        """Kill a host's actor (fault injection): its groups fail, its snapshots leave the index."""
+    def kill_host(self, name: str, timeout: float = 60.0) -> None:
+        """Kill a host's actor (fault injection): its groups fail, its snapshots leave the index.
+        Returns once the actor is dead: ``ray.kill`` only asks, and a call made right after it
+        could still be served (CI saw a group's step answered by a host killed just before)."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
-        ray.kill(self.hosts[name], no_restart=True)
+        actor = self.hosts[name]
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.load.remote(), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            except RayActorError:
+                return
+            except GetTimeoutError:
+                continue
+            time.sleep(0.05)
+        raise RuntimeError(f"host {name} still answers {timeout} s after ray.kill")
 
     def _host_died(self, host: str, error: BaseException) -> None:
         if host in self.dead:
