@@ -296,7 +296,7 @@ class BunshinCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                ray.get(actor.load.remote(), timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+                ray.get(actor.load.remote(), timeout=10)
             except RayActorError:
                 return
             except GetTimeoutError:

@@ -41,7 +41,6 @@ import os
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -138,21 +137,18 @@ def available(p: Paths | None = None) -> bool:
 
 
 # page images on tmpfs --------------------------------------------------------------------
-#: the mount of the images' tmpfs, between threads (a file lock beside it: between processes)
-_mount_lock = threading.Lock()
-
-
 def images_root(p: Paths | None = None) -> Path:
     """The tmpfs holding clones' page images (mounted on first use; no huge pages).
 
-    Mounted once, under a lock: two first uses that both saw no mount stacked two tmpfs, and
-    a copy under way in the first (:func:`prepare_images`) lost its directory when the second
-    covered it (a cluster host's first share forks, two at once, failed so in CI)."""
+    Mounted once, under a file lock beside it (each use opens the file, so it excludes threads
+    as well as processes): two first uses that both saw no mount stacked two tmpfs, and a copy
+    under way in the first (:func:`prepare_images`) lost its directory when the second covered
+    it (a cluster host's first share forks, two at once, failed so in CI)."""
     p = p or paths()
     root = p.run / "uffd-images"
     if not os.path.ismount(root):
         root.mkdir(parents=True, exist_ok=True)
-        with _mount_lock, open(p.run / ".uffd-images.lock", "a") as f:
+        with open(p.run / ".uffd-images.lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             if not os.path.ismount(root):
                 proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,huge=never,nr_inodes=0",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import gymnasium as gym
@@ -146,8 +147,6 @@ def test_a_screenshot_waits_out_an_x_server_slowed_past_ten_seconds(desktop_env)
     """At the paper's size on 2 cores (load 20) a whole frame took over 10 s to come, and the
     episode ended on a live workspace. Here the workspace is frozen for 12 s while the env
     reads a whole frame (a new connection's first): the screenshot comes once it thaws."""
-    import threading
-
     env = desktop_env.unwrapped
     expected = env.screenshot()
     env.release_connections()  # the next capture is a new connection's whole frame
