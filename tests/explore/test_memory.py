@@ -114,7 +114,11 @@ def test_share_clone_that_writes_shows_it_as_private(clones, explorer, page, sho
     shown = float(row.locator("td.mem-private").inner_text().split()[0])
     assert shown > float(page.locator(f"#ws-table tr[data-ws='{b.id}'] td.mem-private").inner_text().split()[0]) \
         + WRITE_MB - 8
-    assert row.locator("td.mem-written").inner_text().startswith(f"{ma['written']['changed'] / MB:.1f} MB")
+    # the page's own survey is a second reading of live processes: a's python may have written a few more
+    # pages since ours (CI once showed 48.9 MB against our 48.8), so the figure is the same within 2 MB
+    shown_written = row.locator("td.mem-written").inner_text()
+    assert shown_written.endswith(" MB") and " MB / " in shown_written, shown_written
+    assert abs(float(shown_written.split()[0]) - ma["written"]["changed"] / MB) < 2, (shown_written, figures)
     snap_row = page.locator(f"#snap-table tr[data-snap='{snap.id}']")
     assert float(snap_row.locator("td.mem-pages").inner_text().split()[0]) >= HEAP_MB
     assert float(snap_row.locator("td.mem-mapped").inner_text().split()[0]) >= HEAP_MB
