@@ -111,6 +111,27 @@ def background_dump() -> bool:
     return get("BUNSHIN_BACKGROUND_DUMP") == "1"
 
 
+def workspace_nice() -> int:
+    """``BUNSHIN_WS_NICE``: the nice value a new workspace's processes start at (-20..19)."""
+    raw = get("BUNSHIN_WS_NICE")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"BUNSHIN_WS_NICE={raw!r} is not a nice value (an integer from -20 to 19)") from None
+    if not -20 <= value <= 19:
+        raise ValueError(f"BUNSHIN_WS_NICE={raw!r} is out of range (-20 to 19)")
+    return value
+
+
+def at_workspace_nice(cmd: list[str]) -> list[str]:
+    """``cmd`` run at :func:`workspace_nice`, not at the calling thread's niceness, which a child
+    inherits: Ray starts its workers at nice 15, and a workspace a host actor made ran its whole
+    life at 15 beside work at 0. CRIU restores a task's niceness from its images, so a clone
+    keeps what its snapshot's workspace was launched with."""
+    adjust = workspace_nice() - os.getpriority(os.PRIO_PROCESS, 0)  # 0: this thread, on Linux
+    return cmd if adjust == 0 else ["nice", "-n", str(adjust), *cmd]
+
+
 def kmod_double_copy() -> bool:
     """``BUNSHIN_KMOD_DOUBLE=copy``: kmod mode's test double that copies pages."""
     return get("BUNSHIN_KMOD_DOUBLE") == "copy"

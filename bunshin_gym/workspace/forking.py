@@ -453,7 +453,9 @@ def _start_restore(snap: StoredSnapshot, rec: records.Record, p: Paths, helper: 
         *(_device_mounts(dump=False) if rec.userns_base is not None else []),
         "-o", str(logs / f"{rec.id}-restore.log"), f"-v{verbosity}", *plan.args,
     ]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # CRIU gives the restored tasks their images' niceness; its own work runs at the workspaces' too
+    return subprocess.Popen(config.at_workspace_nice(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _finish_restore(rec: records.Record, proc: subprocess.Popen, p: Paths) -> None:

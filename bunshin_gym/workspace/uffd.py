@@ -45,7 +45,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from bunshin_gym.config import Paths, criu_carries, paths, share_anon_forced_ksm, write_tracking
+from bunshin_gym.config import Paths, at_workspace_nice, criu_carries, paths, share_anon_forced_ksm, write_tracking
 from bunshin_gym.workspace import idmap, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
@@ -317,9 +317,9 @@ def start(rec: records.Record, p: Paths | None = None, *, track_writes: bool = F
     # a tracker maps no images: it needs no tmpfs
     where = ["--wp", str(f["sock"])] if track_writes else [str(f["sock"]), str(images_root(p))]
     with open(f["log"], "ab") as log:
-        proc = subprocess.Popen(
-            [str(monitor_binary(p)), *where, str(f["state"]), str(f["report"]),
-             *(str(d) for d in Cgroup(rec.cgroup).dirs)],
+        proc = subprocess.Popen(  # it serves the clone's faults: at the clone's niceness, not its maker's
+            at_workspace_nice([str(monitor_binary(p)), *where, str(f["state"]), str(f["report"]),
+                               *(str(d) for d in Cgroup(rec.cgroup).dirs)]),
             stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
         )
     line = proc.stdout.readline().decode().split()

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from bunshin_gym.config import Limits, Paths, paths
+from bunshin_gym.config import Limits, Paths, at_workspace_nice, paths
 from bunshin_gym.workspace import forking, hostlimits, idmap, memory, pool, records, spares, teardown
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient, ExecResult
@@ -136,9 +136,10 @@ class Workspace:
             lower = idmap.lower_image(image_path, rec.userns_base)
             cg = Cgroup.create(ws_id, limits)
             proc = subprocess.run(
-                [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
-                 str(sub / "upper"), str(sub / "work"), str(views.empty_view(p)), hostname or ws_id,
-                 idmap.launch_arg(ids), *cg.procs_files],
+                at_workspace_nice(
+                    [str(layer / ".bunshin" / "init"), "launch", str(sub / "root"), f"{layer}:{lower}",
+                     str(sub / "upper"), str(sub / "work"), str(views.empty_view(p)), hostname or ws_id,
+                     idmap.launch_arg(ids), *cg.procs_files]),
                 capture_output=True, text=True, timeout=60,
             )
             if proc.returncode != 0:

@@ -5,7 +5,9 @@ host that dies fails the group's call with HostLost and the next reset goes else
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -63,6 +65,19 @@ def assert_same(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def workspace_niceness(host: str, ids: list[str]) -> set[int]:
+    """The nice values of the processes of the host's workspaces ``ids`` (from their cgroups)."""
+    found = set()
+    for ws_id in ids:
+        procs = nodes.layout(host).cgroup_root / "memory" / "bunshin" / ws_id / "cgroup.procs"
+        pids = procs.read_text().split()
+        assert pids, f"{ws_id} has no processes"
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):  # one that exited meanwhile
+                found.add(int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
 def test_a_cluster_group_steps_and_runs_as_the_local_group(ray_local):
     oracle = load_shell_task(TASK).oracle()
     policy = ReplayPolicy((("ls /data", *oracle), ("echo 1 > answer.txt", "DONE"), tuple(oracle)))
@@ -83,6 +98,8 @@ def test_a_cluster_group_steps_and_runs_as_the_local_group(ray_local):
             # are forked), none on the other
             held = {h: s["workspaces"] for h, s in c.stats().items()}
             assert len(held[envs.host]) == 3 and not any(held[h] for h in HOSTS if h != envs.host), held
+            # Ray runs its workers at nice 15; the host's workspaces run at BUNSHIN_WS_NICE's 0
+            assert workspace_niceness(envs.host, held[envs.host]) == {0}
             assert_same(here, there)
             assert here[-1][1] != [0.0, 0.0, 0.0] and list(envs.active) == [False, False, False]
             stepped = []
