@@ -153,7 +153,8 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
         freezer = cg.dirs[0] if unified() else cg.dirs[1]
         dump_env = env
         lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
-        cmd = dump_command(rec, p, path / "criu", freezer, lock, delta_args)
+        # at the workspace's niceness, not its maker's: the workspace is frozen until CRIU has what it needs
+        cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", freezer, lock, delta_args))
         if config.background_dump() and dumping.background_available(p):  # thawed once CRIU has the
             proc, thawed = dumping.run_in_background(cmd, dump_env, (lock_fd,))  # metadata; pages after
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,44 @@ def test_a_bad_setting_is_a_clear_error_and_leaves_nothing(monkeypatch, bad):
     with pytest.raises(ValueError, match=f"BUNSHIN_WS_NICE={bad!r}"):
         Workspace.create("base", ws_id=ws_id)
     assert leftovers([ws_id]) == {}
+
+
+def dumping_criu(pid1: int) -> int | None:
+    """The pid of a running ``criu dump -t pid1``, if any."""
+    want = f"dump\0-t\0{pid1}\0".encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmdline = Path(f"/proc/{d}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if want in cmdline and os.path.basename(cmdline.split(b"\0", 1)[0]) == b"criu":
+                return int(d)
+    return None
+
+
+def test_a_niced_maker_dumps_at_the_workspaces_niceness(fresh_ws):
+    """The workspace is frozen while CRIU dumps it: CRIU runs at the workspace's niceness."""
+    fresh_ws.exec("head -c 200M /dev/zero | tr '\\0' x > /dev/shm/fill", check=True)  # a dump worth catching
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            criu = dumping_criu(fresh_ws.pid)
+            if criu is not None:
+                try:
+                    seen.append(nice_of(criu))
+                except OSError:
+                    pass
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        snap = in_thread_at(12, fresh_ws.snapshot)
+    finally:
+        done.set()
+        watcher.join()
+    snap.delete()
+    assert seen and set(seen) == {0}, seen
