@@ -20,3 +20,17 @@ def test_tiny_bench_serve(tmp_path):
     assert doc["fork"]["n"] == 2 and doc["fork"]["api_e2b_sdk"]["median_ms"] > 0
     t = doc["throughput"]
     assert t["errors"] == 0 and t["steps"] > 0 and t["slowest_client_steps"] > 0
+
+
+def test_tiny_desktop_step_measures_blocks_and_alternated_pairs(tmp_path):
+    server = serve._Server(tmp_path)
+    try:
+        d = serve.desktop_step(server, steps=3, rounds=1)
+    finally:
+        server.stop()
+    for name in ("in_process", "remote", "remote_websocket", "remote_http", "remote_whole_frames"):
+        assert d[name]["n"] == 3 and d[name]["median_ms"] > 0, name
+    pair = d["paired"]
+    assert pair["in_process"]["n"] == pair["remote"]["n"] == 3
+    assert pair["median_of_ratios"] > 0 and d["ratio_median"] > 0
+    assert d["remote_breakdown"]["server_step_ms"] > 0
