@@ -562,7 +562,7 @@ def network_lock(pid1: int) -> str:
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid1}/net/{table}").read_text().splitlines()[1:]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # no such table; ESRCH: the process is exiting
             continue
         if any(line.split()[3] not in _STILL_TCP_STATES for line in lines):
             return "nftables"

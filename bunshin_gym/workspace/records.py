@@ -20,7 +20,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     # os.read, not Path.read_text: a quarter of the time, and this runs several times per env step
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone; ESRCH: exiting (CI saw it closing a clone)
         return None
     try:
         raw = os.read(fd, 4096)
