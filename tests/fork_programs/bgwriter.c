@@ -11,6 +11,11 @@
  * area U, moves a page of a second area M with mremap and back, and forks a child that writes
  * its own copy of a few pages of R and exits. Every page a snapshot holds must be what the
  * process held at the moment it was frozen, whatever it did to the page afterwards.
+ *
+ * A page W is MADV_WIPEONFORK, as BoringSSL's fork-safety page in every chromium process: it is
+ * rewritten every round, and each forked child checks that it reads zeros there (else it writes
+ * DIR/wipe-broken): a background dump makes it copy-on-write for its fork and must give the
+ * flag back.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -39,8 +44,11 @@ int main(int argc, char **argv)
 	unsigned char *u = mmap(NULL, nu * PG, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	/* M and a hole of the same size after it, where its pages are moved to and back */
 	unsigned char *m = mmap(NULL, 2 * nm * PG, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-	if (r == MAP_FAILED || u == MAP_FAILED || m == MAP_FAILED)
+	unsigned char *w = mmap(NULL, PG, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (r == MAP_FAILED || u == MAP_FAILED || m == MAP_FAILED || w == MAP_FAILED)
 		die("mmap");
+	if (madvise(w, PG, MADV_WIPEONFORK))
+		die("madvise wipeonfork");
 	munmap(m + nm * PG, nm * PG);
 	for (size_t i = 0; i < n; i++)
 		memset(r + i * PG, (int)(i * 131 + 7), PG);
@@ -49,7 +57,8 @@ int main(int argc, char **argv)
 	for (size_t i = 0; i < nm; i++)
 		memset(m + i * PG, (int)(i + 3), PG);
 
-	char path[4096];
+	char path[4096], broken[4096];
+	snprintf(broken, sizeof(broken), "%s/wipe-broken", argv[2]);
 	snprintf(path, sizeof(path), "%s/ready", argv[2]);
 	FILE *f = fopen(path, "w");
 	if (!f)
@@ -62,6 +71,7 @@ int main(int argc, char **argv)
 			uint64_t *p = (uint64_t *)(r + i * PG);
 			p[(round + i) % (PG / 8)] = round * 1000003 + i;
 		}
+		memset(w, (int)(round % 255) + 1, PG);
 		size_t k = round % n;
 		if (madvise(r + k * PG, PG, MADV_DONTNEED))
 			die("madvise");
@@ -82,6 +92,11 @@ int main(int argc, char **argv)
 			if (c == 0) {
 				for (size_t i = 0; i < 16 && i < n; i++)
 					r[i * PG] = 0xee;
+				for (size_t i = 0; i < PG; i++)
+					if (w[i]) {
+						close(open(broken, O_CREAT | O_WRONLY, 0644));
+						break;
+					}
 				_exit(0);
 			}
 			if (c > 0)

@@ -1,4 +1,4 @@
-"""Background dumps (criu/patches/0020-background-dump, ``BUNSHIN_BACKGROUND_DUMP=1``): CRIU
+"""Background dumps (criu/patches/0020-background-dump and 0021, ``BUNSHIN_BACKGROUND_DUMP=1``): CRIU
 thaws the workspace once it holds the metadata and the pages (by reference, made
 copy-on-write) and writes the pages afterwards, while the source runs on.
 
@@ -124,6 +124,10 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path):
         assert new.returncode == 0, log[-3000:]
         assert thawed is not None, "CRIU never said it thawed the workspace"
         assert "bg-dump: writing the pages of" in log
+        # the writer's MADV_WIPEONFORK page (as BoringSSL's in every chromium process) made it
+        # copy-on-write for CRIU's fork, not written while frozen with the rest of its pages
+        assert "is not copied by fork" not in log, log[-3000:]
+        assert "MADV_WIPEONFORK range(s) made copy-on-write for the fork" in log
         ran = [ns for t, ns in samples if thawed <= t <= done]
         assert ran and ran[-1] - ran[0] > 0, "the writer did not run while CRIU wrote the pages"
 
@@ -147,5 +151,11 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path):
                 except OSError:  # unmapped by now (the writer maps pages again and again)
                     changed += 1
         assert changed >= MB * 256 // 2, f"only {changed} of the writer's pages changed after the dump"
+        # and the page is still wiped on fork: the writer's children (one every 8 rounds) read zeros
+        assert " wf" in "".join(ln for ln in Path(f"/proc/{writer}/smaps").read_text().splitlines()
+                                if ln.startswith("VmFlags:")), "the writer lost MADV_WIPEONFORK"
+        time.sleep(0.5)
+        assert ws.exec(["test", "!", "-e", f"{DIR}/wipe-broken"]).exit_code == 0, \
+            "a child of the writer read the parent's MADV_WIPEONFORK page"
     finally:
         ws.close()
