@@ -209,7 +209,7 @@ class WorkspaceEnv(gym.Env):
         self._closed = False
         self._lock = threading.RLock()
         #: wall-clock seconds of the last step: ``step_s`` (all of it) and what the family
-        #: records (``command_s``, ``action_s``). Kept out of the step's info, which must be
+        #: records (``command_s``, ``action_s``, ``tree_s``). Kept out of the step's info, which must be
         #: the same for the same state and action (gymnasium's determinism contract).
         self.last_step_timing: dict[str, float] = {}
         self._timing: dict[str, float] = {}

@@ -335,9 +335,15 @@ class OSWorldEnv(WorkspaceEnv):
         return None
 
     def observe(self) -> dict:
+        screenshot = self.screenshot()
+        tree = ""
+        if self.require_a11y_tree:
+            t0 = time.perf_counter()
+            tree = self.accessibility_tree()
+            self.record_timing(tree_s=time.perf_counter() - t0)  # the part of a step users ask about most
         return {
-            "screenshot": self.screenshot(),
-            "accessibility_tree": self.accessibility_tree() if self.require_a11y_tree else "",
+            "screenshot": screenshot,
+            "accessibility_tree": tree,
             "terminal": self.terminal_output() if self.require_terminal else "",
             "instruction": self.task.instruction if self.task else "",
         }

@@ -128,6 +128,9 @@ def test_accessibility_tree_of_an_editor():
         tree = obs["accessibility_tree"]
         assert tree.startswith("<desktop-frame") and 'name="mousepad"' in tree.lower()
         assert "- eggs" in tree  # the text of the document
+        obs, *_ = e.step("pyautogui.press('shift')")
+        timing = e.unwrapped.last_step_timing  # the tree's part of the step, apart
+        assert "- eggs" in obs["accessibility_tree"] and 0 < timing["tree_s"] < timing["step_s"]
     finally:
         e.close()
 

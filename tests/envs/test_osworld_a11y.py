@@ -329,6 +329,7 @@ class StandIn:
     def __init__(self, root: Obj, rows: int = 4, cols: int = 3):
         self.objs: dict[str, Obj] = {}
         self.rows, self.cols = rows, cols
+        self.top = 0  # the first row in view (scrolled: the corners the table shows move)
         self.made = 0
         self.cells: dict[tuple[int, int], str] = {}
         self._add(root, "/org/a11y/atspi/accessible/root")
@@ -377,7 +378,7 @@ class StandIn:
             return [o.text[args[0]:] if args[1] == -1 else o.text[args[0]:args[1]]]
         x, y, w, h = o.extents or (0, 0, 0, 0)
         if member == "GetAccessibleAtPoint":
-            r, c = (0, 0) if args[0] == x + 2 else (self.rows - 1, self.cols - 1)
+            r, c = (self.top, 0) if args[0] == x + 2 else (self.top + self.rows - 1, self.cols - 1)
             return [(":1.1", self.cell(r, c))]
         if member == "GetIndexInParent":
             r, c = (int(o.name[1:]) - 1, "ABC".index(o.name[0]))
@@ -543,6 +544,36 @@ def test_fast_walker_equals_the_old_walker_on_a_stand_in_app():
         "/org/a11y/atspi/accessible/root", float("inf"))], max_nodes=10000)
     assert third == old_xml
     assert app.made - made == 2 + 1
+
+
+def test_cells_of_a_view_scrolled_away_and_back_are_asked_again_not_made_anew(monkeypatch):
+    """Calc keeps every cell object a client makes (and answered each call more slowly the
+    more it held): the walker keeps the objects of earlier views too, up to MAX_KEPT_CELLS."""
+    app = stand_in_app()
+    _huge(app)
+    kept: dict = {}
+    first, _ = _stand_in_dump(app, kept)
+    cells = app.rows * app.cols
+    app.top = app.rows  # scrolled down by a whole view: every cell in it is new
+    made = app.made
+    down, _ = _stand_in_dump(app, kept)
+    assert app.made - made == 2 + cells and down != first and 'name="A5"' in down
+    assert len(kept) == 2 * cells
+    app.top = 0  # and back: the first view's objects are asked again
+    made = app.made
+    back, _ = _stand_in_dump(app, kept)
+    assert back == first
+    assert app.made - made == 2  # only the two corner cells (asked by point)
+    # the least recently seen view goes first once more are kept than the limit
+    monkeypatch.setattr(a11y, "MAX_KEPT_CELLS", cells + 1)
+    app.top = 2 * app.rows
+    _stand_in_dump(app, kept)
+    table = next(p for p, o in app.objs.items() if o.name == "Sheet")
+    assert len(kept) == cells + 1
+    assert {f"{table} {r},{c}" for r in range(2 * app.rows, 3 * app.rows) for c in range(app.cols)} <= kept.keys()
+    assert f"{table} {app.rows - 1},{app.cols - 1}" in kept  # the first view, seen last before this one
+    made = app.made
+    assert _stand_in_dump(app, kept)[0] != first and app.made - made == 2
 
 
 def _stand_in_dump(app: StandIn, kept: dict, memo=None, counts=None) -> str:

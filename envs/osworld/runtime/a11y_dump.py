@@ -22,6 +22,7 @@ If AT-SPI is unavailable (no bus, no registry), it falls back to the X window tr
 from __future__ import annotations
 
 import getopt
+import itertools
 import json
 import os
 import socket
@@ -223,6 +224,9 @@ REPLY_TIMEOUT_S = 5.0
 #: calls marshalled and written at a time within a window
 SEND_CHUNK = 64
 HUGE_TABLE_ROLES = ("table", "tree table", "spreadsheet")
+#: cell objects kept between dumps (see FastWalker._cell_paths), the most recently seen: a
+#: few views' worth (a Calc view shows ~1000 cells), so that scrolling back finds them
+MAX_KEPT_CELLS = 6000
 
 
 class CallFailed(Exception):
@@ -968,9 +972,16 @@ class FastWalker:
         for (k, _), r in zip(fresh, at, strict=True):
             if _ok(r) and r[0][1] != NULL_PATH:
                 alive[k] = r[0][1]
-        for k in [k for k in self.cells if k.startswith(f"{table} ")]:
-            del self.cells[k]  # only this view's cells are kept: the file stays small
+        # the cells of earlier views are kept too (up to MAX_KEPT_CELLS, the least recently
+        # seen dropped first): a view scrolled away and back would otherwise make every cell
+        # that comes back anew, and Calc, which keeps them all, answered each call more
+        # slowly the more it held (its tree took 150 ms at the first step of the Calc task,
+        # 300-400 ms after 60 steps that scrolled 3 rows down and up)
+        for k in keys:
+            self.cells.pop(k, None)  # put back below as the most recently seen, if alive
         self.cells.update(alive)
+        for k in list(itertools.islice(self.cells, max(0, len(self.cells) - MAX_KEPT_CELLS))):
+            del self.cells[k]
         return [(k, rc, alive[k], k in kept) for k, rc in zip(keys, grid, strict=True) if k in alive]
 
 
