@@ -412,6 +412,25 @@ def test_loads_reads_what_json_reads(raw):
     assert repr(got) == repr(want)  # repr: NaN, -0.0 and int against float told apart
 
 
+def test_long_fractions_are_read_by_orjson_as_json_reads_them(monkeypatch):
+    """A run of 19 digits right after a point is a fraction, which both parsers read as the
+    same float: orjson reads it (every answer's timings have such runs); integers of 19 digits
+    and more still go to ``json``."""
+    rng = np.random.default_rng(7)
+    floats = [float(x) for x in rng.random(500) * 10.0 ** rng.integers(-12, 4, 500)]
+    texts = [repr(f) for f in floats] + ["0." + "".join(map(str, rng.integers(0, 10, 40))) for _ in range(200)]
+    texts += ["0.0003290370004833676", "1.00000000000000000000001", "9.9999999999999999999999e-5",
+              "-0.12345678901234567890"]
+    raw = ("[" + ",".join(texts) + "]").encode()
+    assert not codec._has_long_digits(raw)
+    want = json.loads(raw)
+    monkeypatch.setattr(codec.json, "loads", lambda *_: pytest.fail("read by json, not orjson"))
+    assert repr(codec.loads(raw)) == repr(want)
+    for integer in (b'[0.5,12345678901234567890]', b'{"a":-1234567890123456789}', b'[1e1234567890123456789]',
+                    b'[0.12345678901234567890,12345678901234567890123]'):
+        assert codec._has_long_digits(integer), integer
+
+
 @pytest.mark.parametrize("raw", [b'{"a":', b"\xff\xfe", memoryview(b"[1,"), b""])
 def test_loads_refuses_what_json_refuses_with_a_value_error(raw):
     with pytest.raises(ValueError):
