@@ -1,0 +1,77 @@
+"""criu/patches/0022: a dump skips the conntrack tables of a network namespace with no entry.
+
+Each conntrack dump walks the host-wide hash table (~10 ms with 262144 buckets, even for an
+empty netns), twice per snapshot, while the workspace is frozen. A workspace's netns has no
+entry: the dumps are skipped and, as after a dump that found nothing, there is no image of
+them (CRIU makes an image file on its first entry). One with an entry (made over
+ctnetlink, as ``conntrack -I`` does) is dumped as before, and its clone has the entry.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bunshin_gym.workspace import Workspace
+
+SKIPPED = "No conntrack entries in the netns: nothing to dump"
+# run in a workspace's netns (nsenter): an entry made as ``conntrack -I`` makes one
+ADD_ENTRY = """
+import socket
+from pyroute2 import Conntrack
+from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+t = dict(family=socket.AF_INET, proto=socket.IPPROTO_UDP)
+Conntrack().entry("add", timeout=3600,
+                  tuple_orig=NFCTAttrTuple(saddr="10.9.0.1", daddr="10.9.0.2", sport=4000, dport=53, **t),
+                  tuple_reply=NFCTAttrTuple(saddr="10.9.0.2", daddr="10.9.0.1", sport=53, dport=4000, **t))
+"""
+LIST_ENTRIES = """
+from pyroute2 import Conntrack
+print(len(list(Conntrack().dump_entries())), open("/proc/sys/net/netfilter/nf_conntrack_count").read().strip())
+"""
+
+
+def _in_netns(program: str, pid: int) -> str:
+    res = subprocess.run(["nsenter", f"--net=/proc/{pid}/ns/net", sys.executable, "-c", program],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@pytest.fixture
+def verbose_dumps(monkeypatch):
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "4")  # the lines checked below
+
+
+def _ct_images(snap) -> list[int]:
+    return [p.stat().st_size for p in sorted(snap.criu_dir.glob("netns-ct-*.img"))]
+
+
+def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps):
+    ws = Workspace.create("base")
+    clones: list[Workspace] = []
+    try:
+        snap = ws.snapshot()
+        log = (snap.criu_dir / "dump.log").read_text(errors="replace")
+        assert log.count(SKIPPED) == 2  # the entries and the expectations
+        assert _ct_images(snap) == []
+        clones += snap.fork(1)
+        assert clones[0].exec(["true"]).ok
+        assert _in_netns(LIST_ENTRIES, clones[0].pid).split() == ["0", "0"]
+
+        # with an entry: dumped as before, and the clone has it
+        _in_netns(ADD_ENTRY, ws.pid)
+        assert _in_netns(LIST_ENTRIES, ws.pid).split() == ["1", "1"]
+        snap2 = ws.snapshot()
+        log = (snap2.criu_dir / "dump.log").read_text(errors="replace")
+        assert SKIPPED not in log
+        (size,) = _ct_images(snap2)
+        assert size > 0
+        clones += snap2.fork(1)
+        assert _in_netns(LIST_ENTRIES, clones[1].pid).split() == ["1", "1"]
+    finally:
+        for c in clones:
+            c.close()
+        ws.close()
