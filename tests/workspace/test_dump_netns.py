@@ -1,14 +1,20 @@
-"""criu/patches/0022: a dump skips the conntrack tables of a network namespace with no entry.
+"""What a dump of a workspace's network namespace costs while it is frozen, and that it still
+captures the namespace.
 
-Each conntrack dump walks the host-wide hash table (~10 ms with 262144 buckets, even for an
-empty netns), twice per snapshot, while the workspace is frozen. A workspace's netns has no
-entry: the dumps are skipped and, as after a dump that found nothing, there is no image of
-them (CRIU makes an image file on its first entry). One with an entry (made over
-ctnetlink, as ``conntrack -I`` does) is dumped as before, and its clone has the entry.
+criu/patches/0022: the conntrack tables of a netns with no entry are not dumped. Each conntrack
+dump walks the host-wide hash table (~10 ms with 262144 buckets, even for an empty netns),
+twice per snapshot. A workspace's netns has no entry: the dumps are skipped and, as after a dump
+that found nothing, there is no image of them (CRIU makes an image file on its first entry).
+One with an entry (made over ctnetlink, as ``conntrack -I`` does) is dumped as before, and its
+clone has the entry.
+
+criu/patches/0024: the iptables binaries CRIU probes (``iptables-save -V``...) are looked up on
+$PATH first: one that is not installed is not forked and run.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -75,3 +81,16 @@ def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps)
         for c in clones:
             c.close()
         ws.close()
+
+
+def test_iptables_binaries_that_are_not_installed_are_not_run(verbose_dumps):
+    ws = Workspace.create("base")
+    try:
+        log = (ws.snapshot().criu_dir / "dump.log").read_text(errors="replace")
+    finally:
+        ws.close()
+    for binary in ("iptables-save", "iptables-legacy-save", "ip6tables-save", "ip6tables-legacy-save"):
+        if shutil.which(binary):  # installed: probed by running it, as before
+            assert f"{binary} is not on PATH" not in log
+        else:
+            assert f"{binary} is not on PATH" in log and f"{binary} -V failed" not in log

@@ -1,0 +1,71 @@
+"""criu/patches/0023: a workspace's tmpfs contents (/tmp, /run, /dev/shm...) are dumped as plain
+tar images, and clones get them exactly; the gzipped tars of older dumps still restore.
+
+The dump archives every tmpfs while the workspace is frozen: without gzip that is one process
+per tmpfs instead of two (~3.7 ms to ~1.4 ms each for a small one).
+"""
+
+from __future__ import annotations
+
+import gzip
+import tarfile
+
+import pytest
+
+from bunshin_gym.workspace import Workspace
+from bunshin_gym.workspace.snapshots import store
+
+#: files of every kind a tmpfs holds, on three of the workspace's tmpfs mounts
+MAKE = ("set -e; mkdir -p /tmp/d/sub; printf 'hello tmp' > /tmp/d/a; chmod 640 /tmp/d/a; ln -s a /tmp/d/link; "
+        "ln /tmp/d/a /tmp/d/hard; truncate -s 8M /tmp/d/sparse; "
+        "printf x | dd of=/tmp/d/sparse bs=1 seek=4M conv=notrunc 2>/dev/null; mkfifo /tmp/d/fifo; "
+        "chown 1000:1000 /tmp/d/sub; printf 'run data' > /run/r; printf 'shm data' > /dev/shm/s")
+#: what a clone must show the same: names, sizes, modes, link counts, kinds, owners, blocks
+#: used (a sparse file stays sparse), contents
+LOOK = ("stat -c '%n %s %a %h %F %u:%g' /tmp/d /tmp/d/a /tmp/d/link /tmp/d/hard /tmp/d/sparse /tmp/d/fifo "
+        "/tmp/d/sub /run/r /dev/shm/s; du -k /tmp/d/sparse; cat /tmp/d/a /run/r /dev/shm/s; readlink /tmp/d/link; "
+        "dd if=/tmp/d/sparse bs=1 skip=4M count=1 2>/dev/null")
+
+
+@pytest.fixture
+def source():
+    ws = Workspace.create("base")
+    try:
+        assert ws.exec(["sh", "-c", MAKE]).ok
+        yield ws
+    finally:
+        ws.close()
+
+
+def _clones_show(snap, want: str) -> None:
+    for mode in ("share", "copy"):
+        (c,) = snap.fork(1, mode=mode)
+        try:
+            assert c.exec(["sh", "-c", LOOK]).text == want, mode
+        finally:
+            c.close()
+
+
+def test_tmpfs_contents_are_plain_tars_and_clones_get_them_exactly(source):
+    want = source.exec(["sh", "-c", LOOK]).text
+    assert "hello tmp" in want and "shm data" in want
+    snap = source.snapshot()
+    tars = sorted(snap.criu_dir.glob("tmpfs-dev-*.tar.img"))
+    assert tars and not list(snap.criu_dir.glob("tmpfs*.gz.img"))
+    names = set()
+    for t in tars:
+        with tarfile.open(t, "r:") as archive:  # uncompressed: "r:" refuses a gzipped one
+            names |= set(archive.getnames())
+    assert {"./d/a", "./d/sparse", "./r", "./s"} <= names
+    _clones_show(snap, want)
+
+
+def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source):
+    want = source.exec(["sh", "-c", LOOK]).text
+    snap = source.snapshot()
+    for t in snap.criu_dir.glob("tmpfs-dev-*.tar.img"):  # as CRIU before 0023 wrote them
+        t.with_name(t.name.replace(".tar.img", ".tar.gz.img")).write_bytes(gzip.compress(t.read_bytes()))
+        t.unlink()
+    store.Store(snap._p).reseal(snap)
+    assert list(snap.criu_dir.glob("tmpfs-dev-*.tar.gz.img")) and not list(snap.criu_dir.glob("tmpfs-dev-*.tar.img"))
+    _clones_show(snap, want)
