@@ -9,7 +9,9 @@ lives here.
 Life of an env: the first ``reset`` creates a workspace, boots it and snapshots that
 booted state; every later ``reset`` rolls back to it (a few hundred ms instead of a
 boot), runs the task's set-up and, by default, snapshots the state right after reset
-so ``rollback()`` can return there.
+so ``rollback()`` can return there. Families that say what their boot depends on
+(:meth:`WorkspaceEnv.boot_config`) share that boot snapshot among the envs of a process
+(:mod:`bunshin_gym.core.boots`): each env starts from a fork of it.
 
 Example:
     >>> import gymnasium as gym, bunshin_gym
@@ -35,6 +37,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from bunshin_gym.config import Limits
+from bunshin_gym.core import boots
 from bunshin_gym.core.task import Task
 from bunshin_gym.errors import ActionError, ResetNeeded  # defined there; this import path stays
 from bunshin_gym.workspace import Workspace, WorkspaceError
@@ -105,6 +109,8 @@ class _Owned:
     def __init__(self) -> None:
         self.envs = 0
         self.snapshots: list[Any] = []
+        #: the shared boot snapshot the lineage holds (:mod:`bunshin_gym.core.boots`), by kind
+        self.boot_key: Any = None
 
     def release(self) -> None:
         self.envs -= 1
@@ -116,6 +122,9 @@ class _Owned:
             except (SnapshotError, WorkspaceError):
                 pass  # gone already, or unreadable: `bunshin gc` deals with it
         self.snapshots.clear()
+        if self.boot_key is not None:  # after the lineage's own snapshots, which may be its deltas
+            key, self.boot_key = self.boot_key, None
+            boots.release(key)
 
 
 WorkspaceFactory = Callable[[str, str], Any]
@@ -171,7 +180,11 @@ class WorkspaceEnv(gym.Env):
         max_steps: episode cap; default the task's own.
         reset_snapshot: snapshot the state right after each reset (needed by ``rollback()``
             without an argument; costs one snapshot per reset).
-        workspace_factory: ``(image, memory_mode) -> workspace``; tests pass a fake here.
+        share_boot: start from the boot snapshot that the process's envs of the same kind
+            share (:mod:`bunshin_gym.core.boots`), where the family says what its boot
+            depends on (:meth:`boot_config`); False: boot a workspace of its own.
+        workspace_factory: ``(image, memory_mode) -> workspace``; tests pass a fake here
+            (an env with one boots on its own).
         limits: the workspace's memory, pids and disk limits (a ``Limits`` or a dict such as
             ``{"memory": "2G", "pids": 512, "disk": "1G"}``; default ``BUNSHIN_WS_*`` or 8G,
             4096, 8G); clones inherit them.
@@ -183,7 +196,7 @@ class WorkspaceEnv(gym.Env):
     hostname = "workspace"
 
     def __init__(self, task: Any = None, *, image: str | None = None, memory_mode: str = "share",
-                 max_steps: int | None = None, reset_snapshot: bool = True,
+                 max_steps: int | None = None, reset_snapshot: bool = True, share_boot: bool = True,
                  workspace_factory: WorkspaceFactory | None = None, render_mode: str | None = None,
                  limits: Any = None):
         self.image = image or self.default_image
@@ -192,6 +205,8 @@ class WorkspaceEnv(gym.Env):
         self._default_task = task
         self._max_steps = max_steps
         self._reset_snapshot_enabled = reset_snapshot
+        self._share_boot = share_boot and workspace_factory is None
+        self._limits = limits
         self._factory = workspace_factory or (
             lambda image, mode: Workspace.create(image, memory_mode=mode, hostname=self.hostname, limits=limits))
         self._ws: Any = None
@@ -221,6 +236,13 @@ class WorkspaceEnv(gym.Env):
 
     def boot(self, ws: Any) -> None:
         """Start the family's services in a fresh workspace (captured by the boot snapshot)."""
+
+    def boot_config(self) -> dict | None:
+        """Everything of this env that :meth:`boot` depends on (its constructor's arguments:
+        a screen size, the sites to start), or None: its boot snapshot is not shared. Envs
+        whose family, image, memory mode, limits and boot config are equal share one boot
+        snapshot (:mod:`bunshin_gym.core.boots`). A family opts in by overriding this."""
+        return None
 
     def execute(self, action: Any) -> dict:
         """Apply one action; return info entries. Raise :class:`ActionError` for a bad one.
@@ -410,7 +432,7 @@ class WorkspaceEnv(gym.Env):
             raise ResetNeeded(f"{type(self).__name__} is closed")
 
     def _fresh_workspace(self) -> None:
-        if self._ws is None and self._pending is not None and self._boot_snap is not None:
+        if self._ws is None and self._boot_snap is not None:
             self._pending = None  # a lazy clone resets by forking the boot snapshot
             self._ws = self._boot_snap.fork(1, mode=self.memory_mode)[0]
             return
@@ -420,11 +442,43 @@ class WorkspaceEnv(gym.Env):
             return
         if self._ws is not None:
             self._ws.close()
-        self._ws = self._factory(self.image, self.memory_mode)
+            self._ws = None
+        key = self._boot_key()
+        if key is None:
+            self._ws = self._factory(self.image, self.memory_mode)
+            self._boot_snap = self._boot_here()
+            self._owned.snapshots.append(self._boot_snap)
+            return
+        self._boot_snap = boots.acquire(key, self._boot_alone)
+        self._owned.boot_key = key
+        self._ws = self._boot_snap.fork(1, mode=self.memory_mode)[0]
+
+    def _boot_here(self) -> Any:
+        """Boot the live workspace and snapshot it; returns the snapshot."""
         self.boot(self._ws)
         self.release_connections()
-        self._boot_snap = self._ws.snapshot(tags={"env": type(self).__name__, "boot": True})
-        self._owned.snapshots.append(self._boot_snap)
+        return self._ws.snapshot(tags={"env": type(self).__name__, "boot": True})
+
+    def _boot_alone(self) -> Any:
+        """A boot snapshot made in a workspace of its own, closed after (what a shared boot
+        snapshot is made by: every env of the kind then starts from a fork of it alike)."""
+        self._ws = self._factory(self.image, self.memory_mode)
+        try:
+            return self._boot_here()
+        finally:
+            self.release_connections()
+            ws, self._ws = self._ws, None
+            ws.close()
+
+    def _boot_key(self) -> tuple | None:
+        """The kind of boot snapshot this env may share, or None (:meth:`boot_config`)."""
+        if not self._share_boot:
+            return None
+        config = self.boot_config()
+        if config is None:
+            return None
+        return (type(self).__module__, type(self).__qualname__, self.image_key(), self.memory_mode, self.hostname,
+                repr(Limits.parse(self._limits)), repr(sorted(config.items())))
 
     @_locked
     def park(self, state: EnvSnapshot | None = None) -> None:

@@ -220,6 +220,9 @@ class OSWorldEnv(WorkspaceEnv):
     def load_task(self, spec: Any) -> OSWorldTask:
         return tasks.load_task(spec)
 
+    def boot_config(self) -> dict:
+        return {"screen_size": self.screen_size}
+
     def boot(self, ws: Any) -> None:
         desktop.boot_desktop(ws, *self.screen_size)
 

@@ -155,6 +155,10 @@ class WebArenaEnv(WorkspaceEnv):
     def load_task(self, spec: Any) -> WebArenaTask:
         return load_task(spec, self.site_urls)
 
+    def boot_config(self) -> dict:
+        return {"sites": self.sites, "viewport": self.viewport, "chromium": self.chromium,
+                "action_timeout": self.action_timeout}
+
     def boot(self, ws: Any) -> None:
         for name, site in self.sites.items():
             if site.command:
