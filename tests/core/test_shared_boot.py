@@ -185,3 +185,25 @@ def test_registry_waiters_get_the_first_boot_and_its_error():
     with pytest.raises(OSError, match="no disk"):
         boots.acquire(("fake", 2), broken)
     assert ("fake", 2) not in boots.held()
+
+
+def test_the_desktop_and_web_envs_share_a_boot_only_with_the_same_boot_arguments():
+    from bunshin_gym.envs.osworld.env import OSWorldEnv
+    from bunshin_gym.envs.webarena.env import WebArenaEnv
+
+    def key(cls, **kw):
+        env = cls(**kw)
+        try:
+            return env._boot_key()
+        finally:
+            env.close()
+
+    assert key(OSWorldEnv) == key(OSWorldEnv, require_a11y_tree=False)  # not a boot argument
+    assert key(OSWorldEnv) != key(OSWorldEnv, screen_size=(1280, 720))
+    assert key(OSWorldEnv) != key(OSWorldEnv, memory_mode="copy")
+    assert key(OSWorldEnv) != key(OSWorldEnv, limits={"memory": "2G"})
+    assert key(OSWorldEnv, share_boot=False) is None
+    assert key(OSWorldEnv, workspace_factory=lambda image, mode: None) is None  # a test double boots alone
+    assert key(WebArenaEnv) == key(WebArenaEnv, screenshot=True)
+    assert key(WebArenaEnv) != key(WebArenaEnv, viewport=(800, 600))
+    assert key(WebArenaEnv) != key(OSWorldEnv)
