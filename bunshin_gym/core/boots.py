@@ -16,7 +16,10 @@ later reset of an env already was (a rollback to it), so nothing a program obser
 changes.
 
 The snapshot is deleted when the last env that holds it closes (as the store deletes
-anything: once no clone or child snapshot needs it). An env that boots while another
+anything: once no clone or child snapshot needs it), unless a :func:`keep` block is open:
+a program that makes and closes envs over and over (an epoch's groups, an evaluation's
+tasks one after another) keeps its boots for the block, as a trainer that keeps its envs
+does, instead of booting again each time. An env that boots while another
 boots the same kind waits for that boot instead of running its own; a boot that fails
 fails the envs that waited for it, each with that error.
 
@@ -24,13 +27,17 @@ Example:
     >>> a = gym.make("Bunshin-OSWorld-v0"); b = gym.make("Bunshin-OSWorld-v0")
     >>> a.reset(options={"task": t1}); b.reset(options={"task": t2})   # one desktop boot
     >>> boots.held()                                                    # {key: 2}
+    >>> with boots.keep():                  # an evaluation: one boot for all its tasks
+    ...     for t in tasks:
+    ...         env = gym.make("Bunshin-OSWorld-v0"); env.reset(options={"task": t}); env.close()
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +54,7 @@ class _Entry:
 
 _lock = threading.Lock()
 _entries: dict[Hashable, _Entry] = {}
+_keeping = 0  # keep() blocks open now
 
 
 def acquire(key: Hashable, boot: Callable[[], Any]) -> Any:
@@ -84,9 +92,32 @@ def release(key: Hashable) -> None:
         if entry is None:
             return
         entry.users -= 1
-        if entry.users > 0:
+        if entry.users > 0 or _keeping:
             return
         del _entries[key]
+    _delete(entry)
+
+
+@contextmanager
+def keep() -> Iterator[None]:
+    """Within the block, a boot snapshot whose last env closes stays for the next env of its
+    kind (no boot again); at the end of the outermost block, those no env holds then are
+    released. Blocks may nest and may be open on several threads."""
+    global _keeping
+    with _lock:
+        _keeping += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _keeping -= 1
+            idle = [k for k, e in _entries.items() if e.users == 0] if not _keeping else []
+            dropped = [_entries.pop(k) for k in idle]
+        for entry in dropped:
+            _delete(entry)
+
+
+def _delete(entry: _Entry) -> None:
     if entry.snapshot is not None:
         try:
             entry.snapshot.release()
@@ -95,6 +126,7 @@ def release(key: Hashable) -> None:
 
 
 def held() -> dict[Hashable, int]:
-    """Kinds with a shared boot snapshot now, and how many env lineages hold each."""
+    """Kinds with a shared boot snapshot now, and how many env lineages hold each (0: kept
+    by a :func:`keep` block only)."""
     with _lock:
         return {k: e.users for k, e in _entries.items()}

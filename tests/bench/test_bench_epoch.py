@@ -9,7 +9,8 @@ import random
 import pytest
 
 from bunshin_gym.bench import epoch as E
-from bunshin_gym.envs.osworld.env import check_computer_13
+from bunshin_gym.core import boots
+from bunshin_gym.envs.osworld.env import OSWorldEnv, check_computer_13
 from bunshin_gym.envs.webarena.actions import parse_action
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.workspace import Workspace
@@ -265,10 +266,16 @@ def test_workspace_memory_counts_this_process_workspaces_only():
 
 
 @pytest.mark.slow
-def test_quick_run_on_the_desktop(tmp_path):
+def test_quick_run_on_the_desktop(tmp_path, monkeypatch):
     """2 tasks x G=2 x 2 epochs in all four modes, on Bunshin-OSWorld-v0 (real desktops)."""
+    booted: list[str] = []
+    real_boot = OSWorldEnv.boot
+    monkeypatch.setattr(OSWorldEnv, "boot", lambda self, ws: (booted.append(self.memory_mode), real_boot(self, ws)))
     path = tmp_path / "epoch-quick.json"
     doc = E.run(str(path), env_id=E.OSWORLD, size=E.QUICK, seed=3)
+    # one boot per memory mode for the whole run, before the epochs; none kept after it
+    assert sorted(booted) == ["copy", "share"] and set(doc["boot_s"]) == {"copy", "share"}
+    assert not [k for k in boots.held() if k[1] == "OSWorldEnv"]
     saved = json.loads(path.read_text())
     assert saved["trajectories"] == doc["trajectories"] and len(doc["trajectories"]) == 2 * 2
     assert set(doc["modes"]) == set(E.MODES)

@@ -94,6 +94,34 @@ def test_two_envs_of_a_kind_boot_once_and_fork_one_snapshot():
     assert not _exists(snap.id)
 
 
+def test_a_keep_block_keeps_the_boot_for_the_next_env_of_its_kind():
+    with boots.keep():
+        a = BootedShell()
+        try:
+            a.reset(options={"task": TASK})
+            snap, token = a._boot_snap, _token(a)
+        finally:
+            a.close()
+        assert _exists(snap.id)  # no env holds it: the block keeps it
+        assert [n for k, n in boots.held().items() if k[1] == "BootedShell"] == [0]
+        b = BootedShell()
+        try:
+            b.reset(options={"task": "shell/count-files"})
+            assert BootedShell.boots_run == 1 and b._boot_snap is snap and _token(b) == token
+            with boots.keep():  # an inner block's end releases nothing while the outer is open
+                pass
+        finally:
+            b.close()
+        assert _exists(snap.id)
+    assert not _exists(snap.id)  # released at the block's end
+    c = BootedShell()
+    try:
+        c.reset(options={"task": TASK})
+        assert BootedShell.boots_run == 2 and _token(c) != token  # outside a block: a boot again
+    finally:
+        c.close()
+
+
 def test_other_kinds_and_share_boot_false_boot_their_own():
     a, b, c = BootedShell(), BootedShell(flavour="b"), BootedShell(share_boot=False)
     try:
