@@ -115,8 +115,7 @@ class GroupVectorEnv(VectorEnv):
         self.park_root = park_root
         self.single_observation_space = self.root.observation_space
         self.single_action_space = self.root.action_space
-        self.observation_space = batch_space(self.single_observation_space, num_envs)
-        self.action_space = batch_space(self.single_action_space, num_envs)
+        self._batched: dict[str, gym.Space] = {}
         self.members: list[gym.Env] = []
         self.active = np.zeros(num_envs, dtype=bool)
         self._last: list[tuple] = []
@@ -127,6 +126,21 @@ class GroupVectorEnv(VectorEnv):
         self._depth = [0] * num_envs  # steps each member made (the step log's depth)
 
     # vector API ------------------------------------------------------------------------
+    @property
+    def observation_space(self) -> gym.Space:
+        """The members' observation spaces batched (made when first asked for: a desktop's
+        screenshot bounds batched for G members are G x 6 MB twice, and most runs never ask)."""
+        return self._batched_space("observation", self.single_observation_space)
+
+    @property
+    def action_space(self) -> gym.Space:
+        return self._batched_space("action", self.single_action_space)
+
+    def _batched_space(self, name: str, single: gym.Space) -> gym.Space:
+        if name not in self._batched:
+            self._batched[name] = batch_space(single, self.num_envs)
+        return self._batched[name]
+
     def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
         """Set the task up once in the root workspace and fork the G members from it (the
         root's workspace is then closed unless ``park_root`` is False)."""

@@ -36,6 +36,7 @@ import orjson
 import zstandard
 from gymnasium import spaces
 
+from bunshin_gym.core.spaces import PrintableText
 from bunshin_gym.errors import BunshinError
 from bunshin_gym.serve import frames
 
@@ -392,6 +393,9 @@ def space_to_json(space: spaces.Space | None) -> dict | None:
         return {"type": "MultiBinary", "n": np.asarray(space.n).tolist()}
     if isinstance(space, spaces.MultiDiscrete):
         return {"type": "MultiDiscrete", "nvec": space.nvec.tolist(), "dtype": np.dtype(space.dtype).str}
+    if isinstance(space, PrintableText):  # its arguments, not its ~48,000 characters
+        return {"type": "PrintableText", "max_length": space.max_length, "min_length": space.min_length,
+                "controls": space.controls}
     if isinstance(space, spaces.Text):
         return {"type": "Text", "max_length": space.max_length, "min_length": space.min_length,
                 "charset": "".join(sorted(space.character_set))}
@@ -418,6 +422,8 @@ def space_from_json(d: dict | None) -> spaces.Space | None:
         return spaces.MultiBinary(d["n"])
     if kind == "MultiDiscrete":
         return spaces.MultiDiscrete(d["nvec"], dtype=np.dtype(d["dtype"]))
+    if kind == "PrintableText":
+        return PrintableText(d["max_length"], min_length=d["min_length"], controls=d["controls"])
     if kind == "Text":
         return spaces.Text(d["max_length"], min_length=d["min_length"], charset=d["charset"])
     if kind == "python":

@@ -41,6 +41,7 @@ from gymnasium import spaces
 
 from bunshin_gym.config import colon_dirs
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text
+from bunshin_gym.core.spaces import PrintableText
 from bunshin_gym.core.task import TaskError
 from bunshin_gym.envs.osworld import desktop, tasks
 from bunshin_gym.envs.osworld.tasks import ASSETS_DIR, FileCache, OSWorldTask
@@ -63,7 +64,6 @@ MAX_REQUEST = MAX_HEADER
 RESTART_TIMEOUT = 30.0
 #: the terminal transcript counts as settled once unchanged for this long (seconds)
 TERMINAL_QUIET_S = 0.15
-CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t\r"
 
 
 class Computer13Space(spaces.Space):
@@ -201,7 +201,7 @@ class OSWorldEnv(WorkspaceEnv):
         extra += colon_dirs("BUNSHIN_OSWORLD_CACHE")
         self.cache = FileCache([*extra, ASSETS_DIR])
         w, h = self.screen_size
-        text = spaces.Text(MAX_TEXT, min_length=0, charset=CHARSET)
+        text = PrintableText(MAX_TEXT, min_length=0, controls="\n\t\r")
         self.observation_space = spaces.Dict({
             "screenshot": spaces.Box(0, 255, (h, w, 3), np.uint8),
             "accessibility_tree": text,
@@ -209,7 +209,7 @@ class OSWorldEnv(WorkspaceEnv):
             "instruction": text,
         })
         self.action_space = (Computer13Space(w, h) if action_space == "computer_13"
-                             else spaces.Text(MAX_CODE, min_length=1, charset=CHARSET))
+                             else PrintableText(MAX_CODE, min_length=1, controls="\n\t\r"))
         self._x: XScreen | None = None
         self._input: desktop.DesktopClient | None = None
         self.history: list[Any] = []

@@ -34,6 +34,7 @@ import numpy as np
 from gymnasium import spaces
 
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, check_text, printable
+from bunshin_gym.core.spaces import PRINTABLE, PrintableText
 from bunshin_gym.core.task import Task, TaskError, check_max_steps, field, identify, read_task_file
 from bunshin_gym.workspace import pristine
 from bunshin_gym.workspace.workspace import disk_full_in, limits_hit
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 #: printable text: every character a command or its output may carry
-CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
+CHARSET = PRINTABLE + "\n\t"
 _CONTROL = {c: None for c in range(32) if c not in (9, 10)} | {0x7F: None}
 MAX_ACTION = 8192
 #: a command of MAX_ACTION characters is at most this many bytes of UTF-8
@@ -131,13 +132,13 @@ class ShellEnv(WorkspaceEnv):
     def __init__(self, task: Any = None, *, command_timeout: float = 30.0, **kwargs: Any):
         super().__init__(task, **kwargs)
         self.command_timeout = command_timeout
-        text = spaces.Text(MAX_OUTPUT, min_length=0, charset=CHARSET)
+        text = PrintableText(MAX_OUTPUT, min_length=0)
         self.observation_space = spaces.Dict({
             "instruction": text,
             "output": text,
             "exit_code": spaces.Discrete(512, start=-256),
         })
-        self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
+        self.action_space = PrintableText(MAX_ACTION, min_length=1)
         self._output, self._exit_code = "", -1
 
     def load_task(self, spec: Any) -> ShellTask:

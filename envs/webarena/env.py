@@ -36,6 +36,7 @@ import numpy as np
 from gymnasium import spaces
 
 from bunshin_gym.core.env import ActionError, WorkspaceEnv, blank_observation, check_text, printable
+from bunshin_gym.core.spaces import PrintableText
 from bunshin_gym.envs.webarena.actions import ActionSyntaxError, URLRefused, check_url, parse_action
 from bunshin_gym.envs.webarena.browser import SOCKET, BrowserClient, DriverError
 from bunshin_gym.envs.webarena.observation import Target, find_element, parse_aria, render_tree, tabs_line
@@ -47,7 +48,6 @@ URLGUARD_SOURCE = Path(__file__).with_name("urlguard.py")  # imported by the dri
 DRIVER_PATH = "/var/lib/bunshin-web/driver.py"
 #: the user chromium and its playwright driver run as (unprivileged; see driver.py)
 BROWSER_USER = "user"
-CHARSET = "".join(chr(c) for c in range(32, 0xD800) if chr(c).isprintable()) + "\n\t"
 MAX_TEXT = 400_000
 MAX_ACTION = 8192
 
@@ -119,13 +119,13 @@ class WebArenaEnv(WorkspaceEnv):
         self.chromium = chromium
         self.action_timeout = action_timeout
         self.boot_timeout = boot_timeout
-        text = spaces.Text(MAX_TEXT, min_length=0, charset=CHARSET)
+        text = PrintableText(MAX_TEXT, min_length=0)
         obs = {"instruction": text, "accessibility_tree": text, "url": text, "tabs": text,
                "last_action_error": text}
         if screenshot:
             obs["screenshot"] = spaces.Box(0, 255, (self.viewport[1], self.viewport[0], 3), np.uint8)
         self.observation_space = spaces.Dict(obs)
-        self.action_space = spaces.Text(MAX_ACTION, min_length=1, charset=CHARSET)
+        self.action_space = PrintableText(MAX_ACTION, min_length=1)
         self._client: BrowserClient | None = None
         self._element_box: dict | None = None  # the element box of the step running now
         self.open_tabs: list[dict] = []
