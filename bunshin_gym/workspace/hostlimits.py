@@ -14,8 +14,9 @@ round trip to the task's parasite per pipe, and a pipe grows only up to ``fs.pip
 (1 MiB by default) when, as in a container, the dumper lacks CAP_SYS_RESOURCE. A 300 MB heap
 took ~300 round trips while frozen. CRIU's own largest pipe is 4 MiB (its pipe buffers kept
 within one costly-order allocation, ``PIPE_MAX_SIZE``), so ``fs.pipe-max-size`` is raised to
-that (never lowered): a background dump of the heap was frozen 292 ms with 1 MiB pipes and
-160 ms with 4 MiB ones, side by side on one host (bench bgdump, session 16). A program in a
+that (never lowered): a background dump of the heap was frozen 233 ms with 1 MiB pipes and
+205 ms with 4 MiB ones (medians of 8 pairs, alternating, on one noisy host; session 16,
+``bench/results/bgdump-heap-pipes-ab.txt``). A program in a
 workspace may then grow its own pipes to 4 MiB too, charged to its memory cgroup like any
 pipe buffer.
 """
