@@ -38,7 +38,8 @@ The run keeps its boot snapshots (:func:`bunshin_gym.core.boots.keep`), as a tra
 its envs for the whole run: each memory mode's workspace is booted once, before the first
 epoch (``boot_s`` in the results), and no epoch of any mode pays a boot. Before this, an
 epoch's groups closed their envs at its end, the last close deleted the shared boot, and
-every epoch of every mode began with a desktop boot (~6 s of a 25-34 s epoch).
+every epoch of every mode began with a boot (1.5-2 s for the desktop, 7-10 s for the web
+shop, on session 16's host).
 
 Sizes: ``--quick`` (2 tasks, G=2, 2 epochs) is a smoke test; the default (4 tasks, G=4,
 3 epochs) fits a small shared machine in about half an hour; the paper's size is
