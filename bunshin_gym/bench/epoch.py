@@ -38,8 +38,8 @@ The run keeps its boot snapshots (:func:`bunshin_gym.core.boots.keep`), as a tra
 its envs for the whole run: each memory mode's workspace is booted once, before the first
 epoch (``boot_s`` in the results), and no epoch of any mode pays a boot. Before this, an
 epoch's groups closed their envs at its end, the last close deleted the shared boot, and
-every epoch of every mode began with a boot (1.5-2 s for the desktop, 7-10 s for the web
-shop, on session 16's host).
+every epoch of every mode began with a boot (1.5-2.6 s for the desktop, 6.5-9.7 s for the
+web shop, on session 16's host).
 
 Sizes: ``--quick`` (2 tasks, G=2, 2 epochs) is a smoke test; the default (4 tasks, G=4,
 3 epochs) fits a small shared machine in about half an hour; the paper's size is
@@ -65,6 +65,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import gymnasium as gym
 
 from bunshin_gym.bench.report import table, write
 from bunshin_gym.bench.rollout import MemorySampler, replay_group
@@ -522,7 +524,6 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     if mode in ("spec", "full") and entries:
         spec = Speculation.from_log(entries, min_duration=min_speculate_s, memory_fraction=spec_memory_fraction,
                                     timing=state.spec_timing)
-    kwargs = dict(ENV_KWARGS[env_id], memory_mode="copy" if mode == "copy-base" else "share")
     clock = time.perf_counter()
     results: list[list] = [[] for _ in recs]
     spans: list[tuple[float, float]] = []
@@ -533,10 +534,10 @@ def run_epoch(state: _ModeState, recs: list[dict], *, env_id: str, group: int, p
     def one(k: int) -> None:
         rec = recs[k]
         start = time.perf_counter() - clock
-        env_kwargs = dict(kwargs, action_space=rec["kind"]) if env_id == OSWORLD else kwargs
+        kwargs = env_kwargs(env_id, rec["kind"], memory_mode_of(mode))
         results[k] = [(start, *r) for r in replay_group(rec, group, state.cache, spec,
                                                         None if state.cache else state.log, env_id=env_id,
-                                                        env_kwargs=env_kwargs, kind=rec["kind"], clock=clock)]
+                                                        env_kwargs=kwargs, kind=rec["kind"], clock=clock)]
 
     with WorkspaceMemorySampler(extra=resident, clock=clock) as mem, \
             ThreadPoolExecutor(max_workers=parallel or len(recs) or 1, thread_name_prefix="group") as pool:
@@ -674,9 +675,8 @@ def _run_epochs(res: dict, states: dict, trajectories: list[dict], modes: tuple[
                       flush=True)
         if restore_rounds:
             first = trajectories[0]
-            kwargs = dict(ENV_KWARGS[env_id], **({"action_space": first["kind"]} if env_id == OSWORLD else {}))
             res["restores"] = measure_restores(env_id, first["task"], first["members"][0]["actions"],
-                                               rounds=restore_rounds, env_kwargs=kwargs)
+                                               rounds=restore_rounds, env_kwargs=env_kwargs(env_id, first["kind"]))
             print(f"  restores of a cached snapshot ({res['restores']['images_mb']} MB of images): median with a "
                   f"spare {res['restores']['spare']['median_s']} s, hot {res['restores']['hot']['median_s']} s, "
                   f"cold {res['restores']['cold']['median_s']} s", flush=True)
@@ -687,17 +687,29 @@ def _run_epochs(res: dict, states: dict, trajectories: list[dict], modes: tuple[
         shutil.rmtree(work, ignore_errors=True)
 
 
+def memory_mode_of(mode: str) -> str:
+    """The memory mode of a benchmark mode's forks (copy-base: private copies, as plain CRIU)."""
+    return "copy" if mode == "copy-base" else "share"
+
+
+def env_kwargs(env_id: str, kind: str, memory_mode: str | None = None) -> dict:
+    """``gym.make`` arguments of the run's envs: the env's own, the desktop group's action
+    kind, and the memory mode (None: the env's default)."""
+    kwargs = dict(ENV_KWARGS[env_id])
+    if env_id == OSWORLD:
+        kwargs["action_space"] = kind
+    if memory_mode is not None:
+        kwargs["memory_mode"] = memory_mode
+    return kwargs
+
+
 def boot_modes(env_id: str, modes: tuple[str, ...], first: dict) -> dict[str, float]:
     """Boot each memory mode's workspace once (an env reset on the first group's task, then
     closed; the open :func:`~bunshin_gym.core.boots.keep` block keeps the boot): seconds each."""
-    import gymnasium as gym
-
     took: dict[str, float] = {}
-    for memory_mode in dict.fromkeys("copy" if m == "copy-base" else "share" for m in modes):
-        kwargs = dict(ENV_KWARGS[env_id], memory_mode=memory_mode,
-                      **({"action_space": first["kind"]} if env_id == OSWORLD else {}))
+    for memory_mode in dict.fromkeys(map(memory_mode_of, modes)):
         t0 = time.perf_counter()
-        env = gym.make(env_id, **kwargs)
+        env = gym.make(env_id, **env_kwargs(env_id, first["kind"], memory_mode))
         try:
             env.reset(options={"task": first["task"]})
         finally:

@@ -50,7 +50,8 @@ class PrintableText(spaces.Text):
         self.controls = controls
 
     def __deepcopy__(self, memo: dict) -> PrintableText:
-        new = copy.copy(self)  # the tables are never changed: shared
+        new = memo[id(self)] = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)  # the tables are never changed: shared
         new._np_random = copy.deepcopy(self._np_random, memo)
         return new
 

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -115,7 +116,6 @@ class GroupVectorEnv(VectorEnv):
         self.park_root = park_root
         self.single_observation_space = self.root.observation_space
         self.single_action_space = self.root.action_space
-        self._batched: dict[str, gym.Space] = {}
         self.members: list[gym.Env] = []
         self.active = np.zeros(num_envs, dtype=bool)
         self._last: list[tuple] = []
@@ -126,20 +126,15 @@ class GroupVectorEnv(VectorEnv):
         self._depth = [0] * num_envs  # steps each member made (the step log's depth)
 
     # vector API ------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def observation_space(self) -> gym.Space:
         """The members' observation spaces batched (made when first asked for: a desktop's
         screenshot bounds batched for G members are G x 6 MB twice, and most runs never ask)."""
-        return self._batched_space("observation", self.single_observation_space)
+        return batch_space(self.single_observation_space, self.num_envs)
 
-    @property
+    @functools.cached_property
     def action_space(self) -> gym.Space:
-        return self._batched_space("action", self.single_action_space)
-
-    def _batched_space(self, name: str, single: gym.Space) -> gym.Space:
-        if name not in self._batched:
-            self._batched[name] = batch_space(single, self.num_envs)
-        return self._batched[name]
+        return batch_space(self.single_action_space, self.num_envs)
 
     def reset(self, *, seed: int | list[int] | None = None, options: dict | None = None):
         """Set the task up once in the root workspace and fork the G members from it (the

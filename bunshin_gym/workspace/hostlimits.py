@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,36 +37,31 @@ PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
 CRIU_PIPE_BYTES = 4 << 20
 
 
-def lift_pipe_user_limit(path: Path = PIPE_USER_PAGES_SOFT) -> bool:
-    """Turn the per-user pipe soft limit off; True if it is off now (a host that refuses the
-    write, say a container without it, is logged and left as it is)."""
+def _set_sysctl(path: Path, value: int, is_fine: Callable[[int], bool], why: str, if_refused: str) -> bool:
+    """Write ``value`` to the sysctl file ``path`` unless its value ``is_fine``; True if it is
+    fine now (a refused write, say in a container without it, is logged and left as it is)."""
     try:
         current = int(path.read_text())
-        if current != 0:
-            path.write_text("0\n")
-            log.info("%s was %d pages: set to 0 (all workspaces share one host uid; their pipe "
-                     "buffers are bounded by their memory cgroups)", path, current)
+        if not is_fine(current):
+            path.write_text(f"{value}\n")
+            log.info("%s was %d: set to %d (%s)", path, current, value, why)
         return True
     except (OSError, ValueError) as e:
-        log.warning("cannot turn off the per-user pipe limit (%s): past it, workspaces see one-page "
-                    "pipes and forks of workspaces with enlarged pipes fail", e)
+        log.warning("cannot set %s to %d (%s): %s", path, value, e, if_refused)
         return False
+
+
+def lift_pipe_user_limit(path: Path = PIPE_USER_PAGES_SOFT) -> bool:
+    """Turn the per-user pipe soft limit off; True if it is off now."""
+    return _set_sysctl(path, 0, lambda v: v == 0,
+                       "all workspaces share one host uid; their pipe buffers are bounded by their memory cgroups",
+                       "past it, workspaces see one-page pipes and forks of workspaces with enlarged pipes fail")
 
 
 def raise_pipe_max_size(path: Path = PIPE_MAX_SIZE, size: int = CRIU_PIPE_BYTES) -> bool:
-    """Raise ``fs.pipe-max-size`` to ``size`` bytes if it is lower; True if it is at least
-    that now (a host that refuses the write is logged: dumps then take more round trips)."""
-    try:
-        current = int(path.read_text())
-        if current < size:
-            path.write_text(f"{size}\n")
-            log.info("%s was %d bytes: set to %d (CRIU hands pages over in pipes of up to that size)",
-                     path, current, size)
-        return True
-    except (OSError, ValueError) as e:
-        log.warning("cannot raise fs.pipe-max-size to %d (%s): dumps hand pages over in smaller pipes, "
-                    "and a workspace is frozen longer", size, e)
-        return False
+    """Raise ``fs.pipe-max-size`` to ``size`` bytes if it is lower; True if it is at least that now."""
+    return _set_sysctl(path, size, lambda v: v >= size, "CRIU hands pages over in pipes of up to that size",
+                       "dumps hand pages over in smaller pipes, and a workspace is frozen longer")
 
 
 @functools.cache
