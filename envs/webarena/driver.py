@@ -47,13 +47,17 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 from protocol import serve_unix  # noqa: E402  (bunshin's one wire protocol, from the runtime layer)
 from urlguard import origin  # noqa: E402  (written next to this file by the env)
 
+#: the desktop's chromium flags (envs/osworld/image/chromium.sh), fewer processes included: no
+#: zygotes, the GPU thread and the network service in the browser process, no spare renderer
+#: (each process is one more task every snapshot dumps and every clone restores)
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+    "--no-sandbox", "--no-zygote", "--disable-gpu", "--in-process-gpu", "--disable-dev-shm-usage",
+    "--disable-background-networking", "--enable-features=NetworkServiceInProcess2",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic", "--disable-default-apps",
     "--disable-extensions", "--no-default-browser-check", "--disable-breakpad", "--disable-crash-reporter",
     "--password-store=basic", "--use-mock-keychain", "--force-renderer-accessibility",
     "--disable-features=Translate,MediaRouter,OptimizationHints,OptimizationGuideModelDownloading,"
-    "AutofillServerCommunication,OnDeviceModelPerformanceParams",
+    "AutofillServerCommunication,OnDeviceModelPerformanceParams,SpareRendererForSitePerProcess",
 ]
 KEYS = {"ctrl": "Control", "control": "Control", "cmd": "Meta", "meta": "Meta", "alt": "Alt", "shift": "Shift",
         "enter": "Enter", "return": "Enter", "esc": "Escape", "escape": "Escape", "tab": "Tab", "space": "Space",
