@@ -133,6 +133,25 @@ def test_sys_and_proc_kernel_files_are_read_only_or_masked(ws):
     assert ws.exec("ls /sys/firmware", check=True).text.strip() == ""
 
 
+def test_root_cannot_fill_the_masks_through_dev(ws):
+    """The masks are binds of an empty file and an empty directory of the workspace's /dev (no
+    tmpfs of their own: one less tar on every dump and restore); written through /dev, they
+    would show whatever root put there over /proc/kcore or /sys/kernel/security."""
+    for attack in ("echo planted > /dev/.masked", "touch /dev/.masked-dir/planted",
+                   "chmod 777 /dev/.masked-dir", "umount /dev/.masked-dir", "umount /sys/kernel/security",
+                   "rmdir /dev/.masked-dir", "rm -f /dev/.masked"):
+        ws.exec(attack)  # each may fail: what they leave is checked below
+    assert ws.exec("cat /dev/.masked /proc/keys", check=True).stdout == b""
+    for masked_dir in ("/sys/firmware", "/sys/kernel/security", "/proc/acpi"):
+        if Path(masked_dir).exists():
+            assert ws.exec(f"ls -A {masked_dir}", check=True).text.strip() == "", masked_dir
+            assert ws.exec(f"touch {masked_dir}/planted").exit_code != 0, masked_dir
+    # tmpfs file systems (binds of one show its device again): /dev, /dev/shm, /tmp and /run only
+    tmpfs = {f[2] for f in (line.split() for line in ws.exec("cat /proc/self/mountinfo", check=True).text.splitlines())
+             if f[f.index("-") + 1] == "tmpfs"}
+    assert len(tmpfs) == 4, tmpfs
+
+
 def test_nodev_everywhere_but_the_workspace_dev(ws):
     mounts = {line.split()[1]: line.split()[3].split(",") for line in
               ws.exec("cat /proc/self/mounts", check=True).text.splitlines()}

@@ -121,7 +121,7 @@ static void symlinkx(const char *target, const char *path)
 /*
  * What runc masks and makes read-only by default: files that expose or change the host
  * kernel (kcore, sysrq-trigger, keys, timer_list, sysctls, firmware). Masked files are
- * overmounted by an empty file, masked directories by one empty read-only tmpfs; read-only ones
+ * overmounted by an empty file, masked directories by an empty read-only directory; read-only ones
  * by a read-only bind of themselves. Workspace root holds no CAP_SYS_ADMIN, so none of these
  * mounts can be undone from inside.
  */
@@ -137,36 +137,32 @@ static const char *const readonly_paths[] = {
 
 static void mask_kernel_files(const char *root)
 {
-	char p[4096], empty[4096], empty_dir[4096] = "";
+	char p[4096], empty[4096], empty_dir[4096];
 	struct stat st;
 	int fd;
 
-	/* masked files are overmounted by an empty read-only file of the workspace's own /dev
-	 * tmpfs: a mount CRIU dumps and restores like any other (a bind of the host's /dev/null
-	 * would be one more external mount per file) */
+	/* masked files are overmounted by an empty read-only file, masked directories by an empty
+	 * directory, both of the workspace's own /dev tmpfs: binds CRIU dumps and restores as
+	 * binds (a bind of the host's /dev/null would be one more external mount per file; a tmpfs
+	 * of its own is one more tar that every dump runs frozen and every restore runs again,
+	 * ~3-6 ms each). Both are made read-only where they are too, so that root inside cannot
+	 * fill what they mask through /dev either. */
 	snprintf(empty, sizeof(empty), "%s/dev/.masked", root);
 	fd = open(empty, O_CREAT | O_WRONLY | O_CLOEXEC, 0444);
 	if (fd < 0)
 		fail("creating %s", empty);
 	close(fd);
+	snprintf(empty_dir, sizeof(empty_dir), "%s/dev/.masked-dir", root);
+	mkdirx(empty_dir, 0555);
+	for (const char *const *q = (const char *const[]){ empty, empty_dir, NULL }; *q; q++) {
+		mountx(*q, *q, NULL, MS_BIND, NULL);
+		mountx(NULL, *q, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	}
 	for (size_t i = 0; i < sizeof(masked_paths) / sizeof(masked_paths[0]); i++) {
 		snprintf(p, sizeof(p), "%s%s", root, masked_paths[i]);
 		if (lstat(p, &st))
 			continue; /* not on this kernel */
-		if (S_ISDIR(st.st_mode)) {
-			/* one empty tmpfs, bound over every other masked directory: CRIU dumps and
-			 * restores each tmpfs by running tar on it (~10 ms a mount on every dump and
-			 * restore), a bind of it costs nothing */
-			if (!empty_dir[0]) {
-				mountx("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=0,mode=555");
-				snprintf(empty_dir, sizeof(empty_dir), "%s", p);
-				continue;
-			}
-			mountx(empty_dir, p, NULL, MS_BIND, NULL);
-			mountx(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-			continue;
-		}
-		mountx(empty, p, NULL, MS_BIND, NULL);
+		mountx(S_ISDIR(st.st_mode) ? empty_dir : empty, p, NULL, MS_BIND, NULL);
 		mountx(NULL, p, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	}
 	for (size_t i = 0; i < sizeof(readonly_paths) / sizeof(readonly_paths[0]); i++) {
