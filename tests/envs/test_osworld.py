@@ -170,10 +170,10 @@ def test_clone_of_a_desktop_with_chromium(env):
         twin.close()
 
 
-
 def test_chromium_runs_one_browser_process_without_zygotes_gpu_or_network_processes(env, check_chromium_processes):
     env.reset(options={"task": "osworld/chrome-open-about"})
     check_chromium_processes(env.unwrapped.workspace)
+
 
 @pytest.mark.slow
 def test_chromium_in_a_share_clone_survives_two_minutes(env):

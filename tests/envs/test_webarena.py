@@ -179,10 +179,10 @@ def _db(e, sql: str) -> str:
     return e.unwrapped.workspace.exec(["sqlite3", DB, sql], check=True).text.strip()
 
 
-
 def test_browser_runs_one_chromium_process_without_zygotes_gpu_or_network_processes(env, check_chromium_processes):
     env.reset(options={"task": "webarena/1001"})
     check_chromium_processes(env.unwrapped.workspace)
+
 
 def test_clone_mid_episode_keeps_page_history_and_session():
     env = gym.make("Bunshin-WebArena-v0")  # the default memory mode ("share")

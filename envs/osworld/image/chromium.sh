@@ -5,7 +5,7 @@
 # Fewer processes: no zygotes (--no-zygote, allowed without the sandbox), the GPU thread and the
 # network service inside the browser process, no spare renderer kept for the next site. Each
 # process is one more task every snapshot freezes, dumps and restores in every clone: 10
-# chromium processes became 5, and a desktop's frozen time and fan-out fell by about a quarter
+# chromium processes became 5, and a desktop's frozen time and fan-out fell by about a third
 # (bench/chromium_process_model.py, bench/results/chromium-process-model.txt).
 exec /usr/lib/chromium/chromium \
   --no-sandbox --no-zygote --disable-gpu --in-process-gpu --disable-dev-shm-usage \
