@@ -23,9 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bunshin_gym.envs.osworld import desktop
+from bunshin_gym.bench.fork import SOURCE_PAGE, make_source
 from bunshin_gym.workspace.memstat import group_memory
-from bunshin_gym.workspace.workspace import Workspace
 
 #: chromium's flags before the process-model change (envs/osworld/image/chromium.sh at e3d71f0)
 BEFORE = [
@@ -38,30 +37,21 @@ BEFORE = [
     "--force-renderer-accessibility", "--disable-session-crashed-bubble", "--hide-crash-restore-bubble",
     "--user-data-dir=/home/user/.config/chromium-bunshin", "--remote-debugging-port=9222",
 ]
-PAGE = "file:///home/user/page.html"
 COUNT = ("for p in /proc/[0-9]*; do c=$(cat $p/comm 2>/dev/null); case $c in chrom*) "
          "echo $c $(ls $p/task | wc -l);; esac; done 2>/dev/null")
 TABS = ("python3 -c \"import urllib.request, json; "
         "print([t['url'] for t in json.load(urllib.request.urlopen('http://127.0.0.1:9222/json/list'))])\"")
 
 
-def _source(side: str) -> Workspace:
-    ws = Workspace.create("osworld")
-    desktop.boot_desktop(ws, 1920, 1080)
-    ws.write_file("/home/user/page.html", "<h1>bunshin</h1>" + "<p>lorem ipsum dolor</p>" * 200, owner="user")
-    cmd = ["/usr/lib/chromium/chromium", *BEFORE, PAGE] if side == "before" else ["chromium", PAGE]
-    desktop.session_spawn(ws, cmd, log="/tmp/chromium.log")
-    time.sleep(8.0)  # let chromium start its renderer and settle
-    return ws
-
-
 def one(side: str, clones: int) -> dict:
-    ws = _source(side)
+    chromium = ("/usr/lib/chromium/chromium", *BEFORE) if side == "before" else ("chromium",)
+    ws = make_source("osworld", 0, 0, chromium=chromium)
     try:
         procs = [line.split() for line in ws.exec(COUNT, user="root").text.splitlines() if line.strip()]
         t = time.perf_counter()
         snap = ws.snapshot()
         snapshot_s = time.perf_counter() - t
+        frozen_ms = snap.metadata.timings.get("frozen_ms")
         try:
             t = time.perf_counter()
             forked = snap.fork(clones, mode="share")
@@ -77,9 +67,9 @@ def one(side: str, clones: int) -> dict:
     finally:
         ws.close()
     return {"side": side, "chromium_processes": len(procs), "chromium_threads": sum(int(n) for _, n in procs),
-            "frozen_ms": snap.metadata.timings.get("frozen_ms"), "snapshot_ms": round(snapshot_s * 1e3, 1),
+            "frozen_ms": frozen_ms, "snapshot_ms": round(snapshot_s * 1e3, 1),
             "fanout_s": round(fanout_s, 3), "clones_unique_mb": mem.unique_mb,
-            "clones_pss_mb": round(mem.pss / 2**20, 1), "page_open_in_clone": PAGE in tabs}
+            "clones_pss_mb": round(mem.pss / 2**20, 1), "page_open_in_clone": SOURCE_PAGE in tabs}
 
 
 def main() -> None:

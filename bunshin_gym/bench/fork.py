@@ -90,14 +90,21 @@ class PeakSampler:
         self._thread.join()
 
 
-def make_source(image: str, heap_mb: int, procs: int) -> Workspace:
+#: the page the desktop source's chromium shows
+SOURCE_PAGE = "file:///home/user/page.html"
+
+
+def make_source(image: str, heap_mb: int, procs: int, *, chromium: tuple[str, ...] = ("chromium",)) -> Workspace:
+    """The benchmarks' source workspace: ``procs`` processes holding ``heap_mb`` of heap, or
+    (``osworld``) the desktop with chromium on :data:`SOURCE_PAGE`, started by ``chromium``
+    (the image's wrapper; another command line compares chromium's flags)."""
     ws = Workspace.create(image)
     if image == "osworld":  # the desktop: Xvfb, window manager, terminal, and chromium on a page
         from bunshin_gym.envs.osworld import desktop
 
         desktop.boot_desktop(ws, 1920, 1080)
         ws.write_file("/home/user/page.html", "<h1>bunshin</h1>" + "<p>lorem ipsum dolor</p>" * 200, owner="user")
-        desktop.session_spawn(ws, ["chromium", "file:///home/user/page.html"], log="/tmp/chromium.log")
+        desktop.session_spawn(ws, [*chromium, SOURCE_PAGE], log="/tmp/chromium.log")
         time.sleep(8.0)  # let chromium start its renderer and settle
     if procs == 0 or heap_mb == 0:
         return ws
