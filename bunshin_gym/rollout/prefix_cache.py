@@ -57,7 +57,7 @@ import pickle
 import threading
 import time
 import uuid
-import zlib
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,6 +71,7 @@ from bunshin_gym.core.task import Task
 from bunshin_gym.core.wrappers import BunshinWrapper
 from bunshin_gym.errors import SnapshotError, WorkspaceError
 from bunshin_gym.rollout.observation import observation_text, same_observation
+from bunshin_gym.rollout.packed import pack, unpack
 from bunshin_gym.rollout.residency import Residency, copy_bytes, keep_copy
 from bunshin_gym.rollout.signature import signature
 from bunshin_gym.rollout.spare_supply import SpareSupply
@@ -79,6 +80,14 @@ from bunshin_gym.rollout.trajlog import TrajectoryLog
 
 #: when the cache snapshots a recorded call's workspace (PrefixCache's ``snapshot_policy``)
 SNAPSHOT_POLICIES = ("interval", "cost")
+#: the cost policy prices a snapshot at the mean of the last few taken: its cost follows the
+#: run's load (measured on the desktop: 0.7 s for the first, taken while the run starts, 8 s
+#: each once 64 members run on 2 cores; the mean of all of them lagged behind for an epoch)
+RECENT_SNAPSHOTS = 4
+#: the cost policy's prior on restores per snapshot (one each), weighed as this many snapshots:
+#: the measured ratio takes over as snapshots are taken (measured at the paper's desktop size:
+#: 24 snapshots in epoch 1, 5 restores; 29 in 3 epochs, 10 restores)
+PRIOR_SNAPSHOTS = 2
 
 __all__ = ["CacheStats", "Node", "PrefixCache", "PrefixCacheWrapper", "PrefixTree", "cache_key"]
 
@@ -90,7 +99,7 @@ class Node:
     sig: str
     action: Any
     depth: int
-    result: bytes = b""  # zlib(pickle((obs, reward, terminated, truncated, info)))
+    result: bytes = b""  # packed.pack((obs, reward, terminated, truncated, info))
     duration: float = 0.0  # seconds the tool took when executed
     snapshot: str | None = None  # snapshot id (store) of the workspace right after this call
     state: dict | None = None  # env episode state that goes with the snapshot
@@ -99,7 +108,7 @@ class Node:
     hits: int = 0
     nondeterministic: bool = False  # a replay of it gave another observation: never served
     start: str | None = None  # (roots) the task's start snapshot, kept by the cache: lazy members fork it
-    # (roots, with ``start``) zlib(pickle((obs, info))) of the reset that made it, and its env
+    # (roots, with ``start``) packed.pack((obs, info)) of the reset that made it, and its env
     # state ({"steps", "done", "episode"}): a later group starts there without a set-up
     start_result: bytes = b""
     start_state: dict | None = None
@@ -119,7 +128,7 @@ class Node:
         return out[::-1]
 
     def load_result(self) -> tuple:
-        return pickle.loads(zlib.decompress(self.result))
+        return unpack(self.result)
 
 
 class PrefixTree:
@@ -185,12 +194,13 @@ class PrefixTree:
             event.set()
 
     def add(self, parent: Node, sig: str, action: Any, result: tuple, duration: float) -> Node:
+        packed = pack(result)  # outside the lock every member's call takes (a screenshot: ms)
         with self.lock:
             child = parent.children.get(sig)
             if child is None:
                 child = Node(sig, copy.deepcopy(action), parent.depth + 1, parent=parent)
                 parent.children[sig] = child
-            child.result = zlib.compress(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+            child.result = packed
             child.duration = duration
             return child
 
@@ -240,8 +250,8 @@ class PrefixCache(Counted):
             memory budget (:class:`~bunshin_gym.rollout.spare_supply.SpareSupply`), so that a
             restore of it is a thaw; needs ``overlap`` (they are made in the background).
         snapshot_policy: ``"interval"`` snapshots at every ``snapshot_every``-th depth;
-            ``"cost"`` only at those where it pays (:meth:`want_snapshot`): where replaying the
-            calls it would spare took at least what a snapshot costs. A member waits for its
+            ``"cost"`` only at those where it pays (:meth:`want_snapshot`): where the replay its
+            expected restores would spare exceeds what a snapshot costs now. A member waits for its
             own snapshot before its next call, so on a desktop (snapshots of seconds, calls of
             a fraction of one) the interval policy spends more than its restores save.
     """
@@ -267,6 +277,7 @@ class PrefixCache(Counted):
         # snapshots run in the background: they would all be "the first" until one is done)
         self._measuring = False
         self._measuring_lock = threading.Lock()
+        self._recent_snapshot_s: deque[float] = deque(maxlen=RECENT_SNAPSHOTS)
         for node in self.tree.nodes():
             if node.snapshot:
                 self.residency.add(node, _snapshot_size(node.snapshot))
@@ -278,8 +289,16 @@ class PrefixCache(Counted):
         """Whether to snapshot the workspace right after ``node``'s call (just recorded): at
         every ``snapshot_every``-th depth, and with the ``"cost"`` policy only where it pays:
 
-        - the calls a restore of it would not replay (those since the nearest snapshot on its
-          path, or since the episode's start) took at least a snapshot's measured mean time;
+        - what a snapshot is expected to save is at least what it costs now (the mean of the
+          last :data:`RECENT_SNAPSHOTS` taken). Each restore of it saves the replay of the calls
+          it would not replay (those since the nearest snapshot on its path, or since the
+          episode's start), less the restore itself; it is expected to be restored as often
+          as the snapshots taken so far were (restores per snapshot, with a prior of one each
+          weighed as :data:`PRIOR_SNAPSHOTS` snapshots). Measured on the desktop at the
+          paper's size: a snapshot took 8 s of its member's time under the run's load and
+          snapshots were restored 0.2-0.4 times each; pricing a snapshot at the mean of all
+          taken, against one restore each, took 18-24 in epoch 1 (150-200 s of member time)
+          for 1-5 restores;
         - with bounded restores, a restore of it would not be declined: the tmpfs copy a
           restore of one makes (the measured mean of those taken) fits the memory budget as
           the run has sized it. Measured on the web env (bench epoch, 2 tasks x G=4): 8
@@ -303,16 +322,33 @@ class PrefixCache(Counted):
         if self.bound_restores and mean_copy > self.residency.sized_budget():
             self.count(snapshots_skipped=1, snapshots_too_large=1)
             return False
+        if self.snapshot_value(node) >= self.snapshot_cost():
+            return True
+        self.count(snapshots_skipped=1)
+        return False
+
+    def snapshot_cost(self) -> float:
+        """Seconds a snapshot costs its member now: the mean of the last few taken (0 before any)."""
+        recent = list(self._recent_snapshot_s)
+        return sum(recent) / len(recent) if recent else 0.0
+
+    def snapshot_value(self, node: Node) -> float:
+        """Seconds a snapshot of ``node``'s workspace is expected to save: restores expected
+        of it (restores per snapshot so far, with a prior) times the replay each spares, less
+        the restore (a hot one: a new snapshot is kept resident if it fits)."""
         spared, n = 0.0, node
         while n.parent is not None:  # the root: the episode's start, restored anyway
             spared += n.duration
             n = n.parent
             if n.snapshot:
                 break
-        if spared >= self.stats.snapshot_s / self.stats.snapshots:
-            return True
-        self.count(snapshots_skipped=1)
-        return False
+        restores_each = (self.stats.restores + PRIOR_SNAPSHOTS) / (self.stats.snapshots + PRIOR_SNAPSHOTS)
+        return restores_each * max(0.0, spared - self.stats.restore_cost(True))
+
+    def snapshot_taken(self, seconds: float, copy_bytes: int) -> None:
+        """Count a snapshot the cache asked for: its member's seconds and its tmpfs copy's bytes."""
+        self._recent_snapshot_s.append(seconds)
+        self.count(snapshots=1, snapshot_s=seconds, snapshot_copy_bytes=copy_bytes)
 
     def snapshot_ended(self) -> None:
         """A snapshot :meth:`want_snapshot` asked for was taken, or failed: with the cost
@@ -422,7 +458,7 @@ class PrefixCache(Counted):
                                 "episode": copy.deepcopy(pending.state)}
         # compressed outside the lock (a screenshot: tens of ms) that every member's call takes;
         # until it is set, kept_start serves nothing and a group sets the task up
-        result = zlib.compress(pickle.dumps((obs, info), protocol=pickle.HIGHEST_PROTOCOL))
+        result = pack((obs, info))
         with self.tree.lock:
             if root.start == pending.workspace.id:
                 root.start_result = result
@@ -456,7 +492,7 @@ class PrefixCache(Counted):
             kept = SnapshotStore().get(start_id)
         except SnapshotError:
             return None  # deleted meanwhile: the group sets the task up (and its start is kept)
-        obs, info = pickle.loads(zlib.decompress(result))
+        obs, info = unpack(result)
         self.count(starts_served=1)
         return EnvSnapshot(kept, task, state["steps"], state["done"], copy.deepcopy(state["episode"])), obs, info
 
@@ -756,7 +792,7 @@ class PrefixCacheWrapper(BunshinWrapper):
         self.cache.residency.add(node, snap.workspace.size())
         if self.cache.residency.is_resident(node) and maps_copies:
             keep_copy(snap.id, make=True)  # hot: its restores find their copy made (off the caller's path)
-        self.cache.count(snapshots=1, snapshot_s=time.perf_counter() - t0, snapshot_copy_bytes=copies)
+        self.cache.snapshot_taken(time.perf_counter() - t0, copies)
 
     def _log(self, sig: str, action: Any, duration: float, served: str, obs: Any) -> None:
         """One log line per call, with the text of the observation it was made from (what
