@@ -33,6 +33,9 @@ class FakeSnapshot:
     def release(self) -> None:
         pass
 
+    def keep(self) -> None:
+        pass
+
 
 class FakeWorkspace:
     def __init__(self, image: str = "base", memory_mode: str = "share", state: dict | None = None):

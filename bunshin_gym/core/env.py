@@ -457,7 +457,8 @@ class WorkspaceEnv(gym.Env):
         """Boot the live workspace and snapshot it; returns the snapshot."""
         self.boot(self._ws)
         self.release_connections()
-        return self._ws.snapshot(tags={"env": type(self).__name__, "boot": True})
+        # held: released by the env (or the boots it is shared through) when done; by gc if we crash
+        return self._ws.snapshot(tags={"env": type(self).__name__, "boot": True}, held=True)
 
     def _boot_alone(self) -> Any:
         """A boot snapshot made in a workspace of its own, closed after (what a shared boot
@@ -523,7 +524,7 @@ class WorkspaceEnv(gym.Env):
         if self._ws is None and self._pending is not None:
             return self._pending  # a lazy clone's state is its pending snapshot
         self.release_connections()
-        snap = self.workspace.snapshot(tags={"task": self.task.id if self.task else None, **tags})
+        snap = self.workspace.snapshot(tags={"task": self.task.id if self.task else None, **tags}, held=not keep)
         if not keep:
             self._owned.snapshots.append(snap)
         return EnvSnapshot(snap, self.task, self.steps, self.done, copy.deepcopy(self.episode_state()))

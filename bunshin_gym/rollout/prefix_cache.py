@@ -449,10 +449,12 @@ class PrefixCache(Counted):
                     if kept.id != pending.workspace.id:
                         base._pending = EnvSnapshot(kept, pending.task, pending.steps, pending.done, pending.state)
                     return
-            # the cache owns it from now on (the group's env would delete it when it closes)
+            # the cache owns it from now on (the group's env would delete it when it closes,
+            # and `bunshin gc` after a crash of the process that took it: the tree outlives both)
             owned = base._owned.snapshots
             if pending.workspace in owned:
                 owned.remove(pending.workspace)
+            pending.workspace.keep()
             root.start, root.start_result = pending.workspace.id, b""
             root.start_state = {"steps": pending.steps, "done": pending.done,
                                 "episode": copy.deepcopy(pending.state)}

@@ -65,13 +65,14 @@ def _device_mounts(dump: bool) -> list[str]:
 
 # taking a snapshot ---------------------------------------------------------------------
 def take(rec: records.Record, p: Paths, *, quiesce: Callable[[], None], tags: dict | None = None,
-         ephemeral: bool = False) -> StoredSnapshot:
+         ephemeral: bool = False, held: bool = False) -> StoredSnapshot:
     """Snapshot a live workspace: freeze, snapshot the upper layer, dump, thaw. ``quiesce``
     drops the controller's connections into the workspace (CRIU cannot dump them) right before.
 
     The source keeps running unchanged; on any failure (the freeze included) it is thawed and
     the partial snapshot removed, and the error names the CRIU log (kept under
-    ``$BUNSHIN_RUN/logs``). A dump that fails only because a task could not be seized (a task
+    ``$BUNSHIN_RUN/logs``). ``held``: this process releases the snapshot when done with it
+    (:attr:`SnapshotMeta.holder`). A dump that fails only because a task could not be seized (a task
     frozen in uninterruptible sleep) is tried again, up to ``BUNSHIN_DUMP_TRIES`` times.
     """
     parent = store.Store(p).get(rec.snapshot) if rec.snapshot else None
@@ -111,6 +112,9 @@ def take(rec: records.Record, p: Paths, *, quiesce: Callable[[], None], tags: di
                 ref_depth=lineage.ref_depth(rec, parent),
                 created=time.time(), ephemeral=ephemeral, tags=tags or {}, timings=times,
             )
+            if held:
+                me = os.getpid()
+                meta.holder = [me, records.proc_start_time(me)]
             flatten.on_take(path, meta, p)  # past the depth limit: take the ancestors' page files over
             snap = StoredSnapshot(path, meta, p)
             meta.criu_bytes = snap.size()

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from bunshin_gym.config import Paths, cgroup_root, criu_env, paths
 from bunshin_gym.workspace import cgroups, dumping, memory, pool, records
 from bunshin_gym.workspace.cgroups import Cgroup
-from bunshin_gym.workspace.errors import WorkspaceError
+from bunshin_gym.workspace.errors import SnapshotError, WorkspaceError
 from bunshin_gym.workspace.images import build_lock
-from bunshin_gym.workspace.snapshots import views
+from bunshin_gym.workspace.snapshots import store, views
 from bunshin_gym.workspace.teardown import reclaim, release_snapshot, remove_snapshot_dir
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
 
 
 def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
-    """Ephemeral snapshots nobody uses, and snapshot directories a crash left incomplete (their
+    """Ephemeral snapshots nobody uses, held ones whose holder died (released as it would
+    have: deleted, or ephemeral while something uses them), and snapshot directories a crash left incomplete (their
     source, frozen for the dump, is thawed first; ``thawed`` gets its id). A directory whose
     dump is still running (its in-progress lock held by the controller or its CRIU) is never
     touched."""
@@ -135,7 +136,14 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
         if age < 60:  # a fork may be about to register its clones
             continue
         before = d.exists()
-        release_snapshot(d.name, p)
+        try:
+            snap = store.Store(p).get(d.name)
+        except SnapshotError:
+            continue  # corrupt: kept for its owner to see, and named by `bunshin snapshots`
+        # a held snapshot whose holder died (an env's boot and reset snapshots) is released
+        # as its holder would have done; an ephemeral one nobody uses goes
+        if not store.Store(p).release_abandoned(snap, reclaim):
+            release_snapshot(d.name, p)
         if before and not d.exists():
             swept.append(d.name)
     memory.registry.sweep(p)  # ksmd's users, uffd monitor files and image copies of workspaces gone

@@ -364,17 +364,21 @@ class Workspace:
             time.sleep(0.0005)
 
     # fork ----------------------------------------------------------------------------
-    def snapshot(self, *, tags: dict | None = None) -> Snapshot:
+    def snapshot(self, *, tags: dict | None = None, held: bool = False) -> Snapshot:
         """Freeze, dump (the source keeps running), snapshot the files, thaw.
 
         Args:
             tags: free-form metadata stored with the snapshot (task, tool-call signature).
+            held: this process releases the snapshot when it is done with it (an env's boot
+                and reset snapshots); if it dies first, ``bunshin gc`` releases it. By default
+                a snapshot is kept until it is deleted.
         """
         self._check_open()
-        return self._take(tags=tags)
+        return self._take(tags=tags, held=held)
 
-    def _take(self, *, tags: dict | None = None, ephemeral: bool = False) -> Snapshot:
-        stored = forking.take(self._rec, self._p, quiesce=self._quiesce_agent, tags=tags, ephemeral=ephemeral)
+    def _take(self, *, tags: dict | None = None, ephemeral: bool = False, held: bool = False) -> Snapshot:
+        stored = forking.take(self._rec, self._p, quiesce=self._quiesce_agent, tags=tags, ephemeral=ephemeral,
+                              held=held)
         return Snapshot(stored.path, stored.metadata, self._p)
 
     def fork(self, n: int = 1, *, mode: str | None = None) -> list[Workspace]:
@@ -611,6 +615,11 @@ class Snapshot(StoredSnapshot):
                 break
             taken[rec.id] = spare
         return taken
+
+    def keep(self) -> None:
+        """Keep this snapshot past the process that holds it (``snapshot(held=True)``): its
+        new owner deletes it when done with it."""
+        store.Store(self._p).keep(self)
 
     def delete(self) -> None:
         """Delete the snapshot; refused while a clone or a child snapshot uses it (its

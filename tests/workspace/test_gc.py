@@ -5,6 +5,7 @@ Never ``all_workspaces=True`` here: other sessions' workspaces may be running on
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -206,3 +207,57 @@ def test_gc_removes_criu_caches_of_other_boots_and_builds_only():
     rep = gc.collect()
     assert stale.name in rep.caches and not stale.exists()
     assert current.exists() and current.name not in rep.caches
+
+
+_CRASHING_ENV = textwrap.dedent("""
+    import json, os, signal
+    import gymnasium as gym
+    import bunshin_gym  # noqa: F401
+
+    env = gym.make("Bunshin-Shell-v0").unwrapped
+    env.reset(options={"task": "shell/make-dir"})
+    env.step("mkdir -p /home/user/projects")
+    mine = env.snapshot()  # the env's own: released when it closes
+    kept = env.snapshot(keep=True)  # the caller's: outlives the env and the process
+    print(json.dumps({"boot": env._boot_snap.id, "reset": env._reset_snap.id, "mine": mine.id,
+                      "kept": kept.id}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close: the crash of a training process
+""")
+
+
+def test_gc_releases_the_snapshots_a_crashed_env_held():
+    """An env's boot, reset and own snapshots are deleted when it closes; a process killed
+    before that left them in the store for good (measured: a 200 MB boot image and a 90 MB
+    task start per crashed web-env process). They are held by the process that took them, and
+    gc releases them once it is gone; a snapshot the caller kept stays (and, if its pages are
+    a delta over the boot image, that stays while it is needed)."""
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    proc = subprocess.Popen([sys.executable, "-c", _CRASHING_ENV], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    ids = json.loads(out.strip().splitlines()[-1])
+    p = paths()
+    store = SnapshotStore()
+    for name in ("boot", "reset", "mine"):
+        assert store.get(ids[name]).metadata.holder is not None, name
+    assert store.get(ids["kept"]).metadata.holder is None
+    old = time.time() - 120  # past gc's grace for a fork that is registering its clones
+    for snap_id in ids.values():
+        os.utime(p.snapshots / snap_id, (old, old))
+
+    needed = set(store.get(ids["kept"]).may_need())
+    report = gc.collect()
+    try:
+        for name in ("boot", "reset", "mine"):
+            if ids[name] in needed:  # released: deleted as soon as the kept snapshot goes
+                assert store.get(ids[name]).metadata.ephemeral, name
+            else:
+                assert not (p.snapshots / ids[name]).exists() and ids[name] in report.snapshots, name
+        assert store.get(ids["kept"]).metadata.holder is None
+        # the crashed process's workspaces went too
+        assert not [r for r in records.all_records() if r.owner == proc.pid]
+    finally:
+        store.get(ids["kept"]).delete()
+    assert not [i for i in ids.values() if (p.snapshots / i).exists()]

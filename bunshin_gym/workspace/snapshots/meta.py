@@ -43,6 +43,9 @@ class SnapshotMeta:
     limits: dict | None = None  # the workspace's limits, inherited by every clone
     created: float = 0.0
     ephemeral: bool = False  # deleted by its last user's close (``release``)
+    #: [pid, start time] of the process that releases it when done with it (an env's boot and
+    #: reset snapshots); ``bunshin gc`` releases it once that process is gone (None: kept)
+    holder: list[int] | None = None
     tags: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     criu_bytes: int = 0
