@@ -237,7 +237,8 @@ def _release_snapshot(snap_id: str) -> None:
 
 
 def _reap_owned_by(pid: int, start: int | None) -> int:
-    """Reclaim the workspaces a dead server owned (its env workspaces)."""
+    """Reclaim the workspaces a dead server owned (its env workspaces), then release the
+    snapshots its envs held (their boot, reset and clone snapshots), as their close would have."""
     from bunshin_gym.workspace.workspace import reclaim
 
     if records.process_alive(pid, start):
@@ -250,6 +251,12 @@ def _reap_owned_by(pid: int, start: int | None) -> int:
                 n += 1
             except Exception:  # noqa: BLE001 - bunshin gc gets what is left
                 log.exception("reclaiming %s of the previous server failed", rec.id)
+    held = [s for s in SnapshotStore().list() if s.metadata.holder == [pid, start]]
+    for snap in sorted(held, key=lambda s: -s.depth):  # children first, as the envs release them
+        try:
+            snap.release()
+        except SnapshotError:  # in use, or gone meanwhile: bunshin gc gets what is left
+            log.warning("releasing snapshot %s of the previous server failed", snap.id, exc_info=True)
     return n
 
 

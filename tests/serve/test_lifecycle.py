@@ -17,6 +17,7 @@ from e2b import Sandbox
 
 from bunshin_gym.remote import RemoteEnv
 from bunshin_gym.workspace import records
+from bunshin_gym.workspace.snapshot import SnapshotStore
 from bunshin_gym.workspace.workspace import reclaim
 
 from .conftest import ALICE, Server, e2b_opts, leases
@@ -94,6 +95,8 @@ def test_restart_reattaches_sandboxes_and_snapshots_and_reaps_env_workspaces(tmp
         env.reset()
         env_workspaces = {r.id for r in records.all_records() if r.owner == first.proc.pid and r.running()}
         assert env_workspaces
+        env_snapshots = {s.id for s in SnapshotStore().list() if (s.metadata.holder or [None])[0] == first.proc.pid}
+        assert env_snapshots  # the env's boot and reset snapshots, held by the server that took them
         first.proc.kill()  # a crash: no shutdown at all
         first.proc.wait()
         first.stop()
@@ -102,6 +105,8 @@ def test_restart_reattaches_sandboxes_and_snapshots_and_reaps_env_workspaces(tmp
         try:
             assert "reattached" in second.log
             assert _running(env_workspaces) == set(), "the dead server's env workspaces were reclaimed"
+            left = {s.id for s in SnapshotStore().list() if s.id in env_snapshots and not s.metadata.ephemeral}
+            assert left == set(), f"the dead server's env snapshots were not released: {left}"
             opts = e2b_opts(second)
             ids = {s.sandbox_id: s.state.value for s in Sandbox.list(**opts).next_items()}
             assert ids == {running.sandbox_id: "running", paused.sandbox_id: "paused"}
