@@ -71,9 +71,9 @@ def take(rec: records.Record, p: Paths, *, quiesce: Callable[[], None], tags: di
 
     The source keeps running unchanged; on any failure (the freeze included) it is thawed and
     the partial snapshot removed, and the error names the CRIU log (kept under
-    ``$BUNSHIN_RUN/logs``). ``held``: this process releases the snapshot when done with it
-    (:attr:`SnapshotMeta.holder`). A dump that fails only because a task could not be seized (a task
+    ``$BUNSHIN_RUN/logs``). A dump that fails only because a task could not be seized (a task
     frozen in uninterruptible sleep) is tried again, up to ``BUNSHIN_DUMP_TRIES`` times.
+    ``held``: this process releases the snapshot when done with it (``SnapshotMeta.holder``).
     """
     parent = store.Store(p).get(rec.snapshot) if rec.snapshot else None
     snap_id = f"snap-{secrets.token_hex(4)}"

@@ -103,10 +103,10 @@ def collect(p: Paths | None = None, *, all_workspaces: bool = False) -> GcReport
 
 def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
     """Ephemeral snapshots nobody uses, held ones whose holder died (released as it would
-    have: deleted, or ephemeral while something uses them), and snapshot directories a crash left incomplete (their
-    source, frozen for the dump, is thawed first; ``thawed`` gets its id). A directory whose
-    dump is still running (its in-progress lock held by the controller or its CRIU) is never
-    touched."""
+    have: deleted, or ephemeral while something uses them), and snapshot directories a crash
+    left incomplete (their source, frozen for the dump, is thawed first; ``thawed`` gets its
+    id). A directory whose dump is still running (its in-progress lock held by the controller
+    or its CRIU) is never touched."""
     swept = []
     live = {r.snapshot for r in records.all_records(p) if r.running() and not r.holder_of}  # holders serve, not use
     for d in sorted(p.snapshots.iterdir()):
@@ -139,7 +139,7 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
         try:
             snap = store.Store(p).get(d.name)
         except SnapshotError:
-            continue  # corrupt: kept for its owner to see, and named by `bunshin snapshots`
+            continue  # corrupt: kept for its owner to see (`bunshin snap ls` names it)
         # a held snapshot whose holder died (an env's boot and reset snapshots) is released
         # as its holder would have done; an ephemeral one nobody uses goes
         if not store.Store(p).release_abandoned(snap, reclaim):
