@@ -99,17 +99,23 @@ def _cmd_ws(args) -> int:
 
 
 def _cmd_snap(args) -> int:
+    from bunshin_gym.workspace import records
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     store = SnapshotStore()
     if args.action == "ls":
         snaps = store.list()
-        print(f"{'ID':<14} {'PARENT':<14} {'WORKSPACE':<12} {'MODE':<8} {'MB':>7} {'FROZEN ms':>9}  USERS")
+        print(f"{'ID':<14} {'PARENT':<14} {'WORKSPACE':<12} {'MODE':<8} {'MB':>7} {'FROZEN ms':>9}  "
+              f"{'HELD BY':<16}  USERS")
         for s in snaps:
             u = s.users()
             users = ", ".join(u["clones"] + [f"child {c}" for c in u["children"]]) or "-"
+            # held: the process that releases it; a gone one's snapshots are `bunshin gc`'s
+            holder = s.metadata.holder
+            held = "-" if holder is None else \
+                f"pid {holder[0]}" + ("" if records.process_alive(holder[0], holder[1]) else " (gone)")
             print(f"{s.id:<14} {s.parent or '-':<14} {s.meta['workspace']:<12} {s.mode.value:<8} "
-                  f"{s.meta['criu_bytes'] / 2**20:>7.1f} {s.meta['timings']['frozen_ms']:>9.0f}  {users}")
+                  f"{s.meta['criu_bytes'] / 2**20:>7.1f} {s.meta['timings']['frozen_ms']:>9.0f}  {held:<16}  {users}")
         if not snaps:
             print("no snapshots")
         return 0
@@ -305,7 +311,7 @@ def parser() -> argparse.ArgumentParser:
 
     sn = sub.add_parser("snap", help="list, flatten or delete snapshots")
     sn_sub = sn.add_subparsers(dest="action", required=True)
-    sn_sub.add_parser("ls", help="list snapshots and who uses them")
+    sn_sub.add_parser("ls", help="list snapshots, who holds and who uses them")
     rm = sn_sub.add_parser("rm", help="delete snapshots (refused while in use)")
     rm.add_argument("ids", nargs="+")
     fl = sn_sub.add_parser("flatten", help="make snapshots self-contained (take over their ancestors' page files)")

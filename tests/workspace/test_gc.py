@@ -243,6 +243,13 @@ def test_gc_releases_the_snapshots_a_crashed_env_held():
     for name in ("boot", "reset", "mine"):
         assert store.get(ids[name]).metadata.holder is not None, name
     assert store.get(ids["kept"]).metadata.holder is None
+    # `bunshin snap ls` says whose they are, and that their holder is gone
+    listing = subprocess.run([sys.executable, "-m", "bunshin_gym.cli", "snap", "ls"], capture_output=True, text=True,
+                             timeout=60).stdout
+    rows = {line.split()[0]: line for line in listing.splitlines()[1:] if line.strip()}
+    for name in ("boot", "reset", "mine"):
+        assert f"pid {proc.pid} (gone)" in rows[ids[name]], rows[ids[name]]
+    assert f"pid {proc.pid}" not in rows[ids["kept"]]
     old = time.time() - 120  # past gc's grace for a fork that is registering its clones
     for snap_id in ids.values():
         os.utime(p.snapshots / snap_id, (old, old))
