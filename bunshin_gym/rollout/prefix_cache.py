@@ -80,9 +80,9 @@ from bunshin_gym.rollout.trajlog import TrajectoryLog
 
 #: when the cache snapshots a recorded call's workspace (PrefixCache's ``snapshot_policy``)
 SNAPSHOT_POLICIES = ("interval", "cost")
-#: the cost policy prices a snapshot at the mean of the last few taken: its cost follows the
-#: run's load (measured on the desktop: 0.7 s for the first, taken while the run starts, 8 s
-#: each once 64 members run on 2 cores; the mean of all of them lagged behind for an epoch)
+#: the cost policy prices a snapshot at the mean of the last few taken, so that its price
+#: follows the run's load (a desktop snapshot: 0.7-1 s on a quiet host, ~8 s of its member's
+#: time once the paper's 64 members run on 2 cores; a mean of all taken lags behind a change)
 RECENT_SNAPSHOTS = 4
 #: the cost policy's prior on restores per snapshot (one each), weighed as this many snapshots:
 #: the measured ratio takes over as snapshots are taken (measured at the paper's desktop size:
