@@ -99,7 +99,6 @@ def _cmd_ws(args) -> int:
 
 
 def _cmd_snap(args) -> int:
-    from bunshin_gym.workspace import records
     from bunshin_gym.workspace.snapshot import SnapshotStore
 
     store = SnapshotStore()
@@ -112,8 +111,7 @@ def _cmd_snap(args) -> int:
             users = ", ".join(u["clones"] + [f"child {c}" for c in u["children"]]) or "-"
             # held: the process that releases it; a gone one's snapshots are `bunshin gc`'s
             holder = s.metadata.holder
-            held = "-" if holder is None else \
-                f"pid {holder[0]}" + ("" if records.process_alive(holder[0], holder[1]) else " (gone)")
+            held = "-" if holder is None else f"pid {holder[0]}" + (" (gone)" if s.abandoned() else "")
             print(f"{s.id:<14} {s.parent or '-':<14} {s.meta['workspace']:<12} {s.mode.value:<8} "
                   f"{s.meta['criu_bytes'] / 2**20:>7.1f} {s.meta['timings']['frozen_ms']:>9.0f}  {held:<16}  {users}")
         if not snaps:

@@ -12,7 +12,7 @@ from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import SnapshotError, WorkspaceError
 from bunshin_gym.workspace.images import build_lock
 from bunshin_gym.workspace.snapshots import store, views
-from bunshin_gym.workspace.teardown import reclaim, release_snapshot, remove_snapshot_dir
+from bunshin_gym.workspace.teardown import reclaim, remove_snapshot_dir
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,15 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
         if age < 60:  # a fork may be about to register its clones
             continue
         before = d.exists()
+        snapshots = store.Store(p)
         try:
-            snap = store.Store(p).get(d.name)
+            snap = snapshots.get(d.name)
         except SnapshotError:
             continue  # corrupt: kept for its owner to see (`bunshin snap ls` names it)
-        # a held snapshot whose holder died (an env's boot and reset snapshots) is released
-        # as its holder would have done; an ephemeral one nobody uses goes
-        if not store.Store(p).release_abandoned(snap, reclaim):
-            release_snapshot(d.name, p)
+        # an ephemeral one goes once nobody uses it; a held one whose holder died (an env's
+        # boot and reset snapshots) is released as its holder would have done
+        if snap.metadata.ephemeral or snap.abandoned():
+            snapshots.release(snap, reclaim)
         if before and not d.exists():
             swept.append(d.name)
     memory.registry.sweep(p)  # ksmd's users, uffd monitor files and image copies of workspaces gone

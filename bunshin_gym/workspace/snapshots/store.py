@@ -147,15 +147,6 @@ class Store:
         on_disk.holder = None
         meta_file.write(snap.path, on_disk)
 
-    def release_abandoned(self, snap: StoredSnapshot, reclaim: Reclaim) -> bool:
-        """Release a held snapshot whose holder process is gone (``bunshin gc``: the process
-        that would have released it crashed); returns whether it was."""
-        holder = snap.metadata.holder
-        if holder is None or snap.metadata.ephemeral or records.process_alive(holder[0], holder[1]):
-            return False
-        self.release(snap, reclaim)
-        return True
-
     # deleting ----------------------------------------------------------------------------
     def delete(self, snap: StoredSnapshot, reclaim: Reclaim) -> None:
         """Delete a snapshot; refused (:class:`SnapshotError`) while a clone or a child snapshot

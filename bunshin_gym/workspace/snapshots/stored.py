@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import records
 from bunshin_gym.workspace.memory import MemoryMode
 from bunshin_gym.workspace.snapshots.meta import SnapshotMeta
 
@@ -48,6 +49,12 @@ class StoredSnapshot:
     def size(self) -> int:
         """Bytes of this snapshot's own CRIU images (the files are a btrfs delta)."""
         return sum(f.stat().st_size for f in self.criu_dir.iterdir() if f.is_file())
+
+    def abandoned(self) -> bool:
+        """Held (:attr:`~.meta.SnapshotMeta.holder`) by a process that is gone: the env that
+        would have released it died first (``bunshin gc`` releases it)."""
+        holder = self.metadata.holder
+        return holder is not None and not records.process_alive(holder[0], holder[1])
 
     def may_need(self) -> list[str]:
         """The snapshots this one may need besides itself: its parent and those its images name."""
