@@ -7,8 +7,6 @@
 #   criu/build.sh [PREFIX]      default PREFIX: $BUNSHIN_HOME/criu (BUNSHIN_HOME default /var/lib/bunshin)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-# shellcheck source=../scripts/lib/host.sh
-source "$HERE/../scripts/lib/host.sh"
 VERSION=4.2.1
 DEBREV=1
 ORIG_SHA256=29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9
@@ -26,26 +24,9 @@ fi
 mkdir -p "$WORK"
 cd "$WORK"
 tarball=criu_$VERSION.orig.tar.xz
-if ! echo "$ORIG_SHA256  $tarball" | sha256sum -c --status - 2>/dev/null; then
-	# The source index of sid carries 4.2.1. Only the source index is added: no binaries from sid.
-	if ! apt-cache showsrc criu 2>/dev/null | grep -q "^Version: $VERSION-$DEBREV"; then
-		archive=$(debian_archive)
-		[ -n "$archive" ] || { say "apt knows no Debian archive for bookworm main; set BUNSHIN_MIRROR to one"; exit 1; }
-		say "adding Debian sid's source index (deb-src only) from $archive to find criu $VERSION"
-		cat > /etc/apt/sources.list.d/bunshin-criu-src.sources <<EOS
-Types: deb-src
-URIs: $archive
-Suites: sid
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOS
-		apt-get update -q
-	fi
-	say "downloading criu $VERSION source"
-	# The Debian packaging tarball may be missing from the pool; only the upstream tarball is needed.
-	apt-get source -q --download-only "criu=$VERSION-$DEBREV" || true
-	echo "$ORIG_SHA256  $tarball" | sha256sum -c - || { say "checksum of $tarball does not match"; exit 1; }
-fi
+# the upstream tarball, checked against ORIG_SHA256 (by its own script, outside the stamp: a change
+# to how the tarball is fetched rebuilds nothing)
+"$HERE/fetch-source.sh" "$VERSION" "$DEBREV" "$ORIG_SHA256" "$WORK"
 
 say "unpacking and patching"
 rm -rf "criu-$VERSION"

@@ -1,4 +1,4 @@
-# Host helpers shared by scripts/setup.sh and criu/build.sh (sourced, not run).
+# Host helpers shared by scripts/setup.sh and criu/fetch-source.sh (sourced, not run).
 
 # missing_packages [--admindir DIR] PKG...: print the packages of the list that are not
 # installed, one per line. dpkg-query exits 1 as soon as one package is unknown, which is
