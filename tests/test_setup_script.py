@@ -144,3 +144,33 @@ def test_the_verl_step_installs_the_pin_into_a_venv_that_lacks_it(tmp_path):
     pin = next(p for p in (REPO / "constraints.txt").read_text().split() if p.startswith("verl=="))
     assert pin in listed
     assert not any(p.startswith(("torch==", "transformers==", "ray==")) for p in listed), listed
+
+
+#: the Python of Debian 12's python3 package, which set-up's venv is made from on a fresh machine
+DEBIAN_12_PYTHON = "3.11.2"
+
+
+def test_every_pin_installs_on_debian_12s_python():
+    """A pin whose release needs a newer Python than Debian 12's stops set-up on a fresh machine
+    with pip's "ResolutionImpossible" (soupsieve 4.1.3 needs >= 3.11.5: set-up stopped there in a
+    fresh Debian 12 chroot, while this host's venv, made from a newer 3.11, had it). The check
+    reads each pinned distribution's Requires-Python from this venv (set-up installs exactly the
+    pins), so it needs no network."""
+    import importlib.metadata as md
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+
+    pins = {canonicalize_name(n): v for n, v in (p.split("==") for p in
+            (REPO / "constraints.txt").read_text().split() if "==" in p)}
+    checked, refused = 0, []
+    for dist in md.distributions():
+        name = canonicalize_name(dist.metadata["Name"])
+        if pins.get(name) != dist.version:
+            continue  # not a pin, or not the pinned release (then the pin itself is not checked here)
+        checked += 1
+        needs = dist.metadata.get("Requires-Python")
+        if needs and not SpecifierSet(needs).contains(DEBIAN_12_PYTHON):
+            refused.append(f"{name}=={dist.version} (Requires-Python {needs})")
+    assert checked > len(pins) // 2, f"only {checked} of {len(pins)} pins are installed here"
+    assert refused == [], refused
