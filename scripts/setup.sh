@@ -80,5 +80,11 @@ step "4. btrfs pool"
 step "5. workspace images ($IMAGES)"
 "$BUNSHIN" image build $IMAGES
 "$BUNSHIN" image prune
-say "done; 'bunshin doctor' checks everything:"
-"$BUNSHIN" doctor | tail -1
+step "6. bunshin doctor"
+# its last line when all is well; all of it (each failed check with its fix) when not
+if report=$("$BUNSHIN" doctor 2>&1); then
+	say "done; 'bunshin doctor' checks everything: $(tail -n 1 <<<"$report")"
+else
+	printf '%s\n' "$report"
+	false  # the ERR trap names this step
+fi

@@ -85,6 +85,38 @@ def test_a_step_failing_inside_a_function_is_named_too():
     assert res.returncode == 1 and 'FAILED in step "2. CRIU build": "false" exited 1' in msg, msg
 
 
+def _doctor_step() -> str:
+    """Set-up's last step (``step "6. bunshin doctor"`` to the end of scripts/setup.sh)."""
+    text = SETUP_SH.read_text()
+    return text[text.index('step "6. bunshin doctor"'):]
+
+
+@pytest.mark.parametrize("healthy", [True, False])
+def test_the_doctor_step_shows_every_failed_check_and_its_fix(tmp_path, healthy):
+    """Set-up printed only doctor's last line ("10 of 11 checks pass; see the fixes above"), the
+    fixes above cut off, and a failing doctor was reported as step 5's "tail -1" exiting 1 (seen
+    on a fresh Debian 12 chroot). Now: the summary when all pass; every line, under the doctor's
+    own step name, when one fails."""
+    doctor = tmp_path / "bunshin"
+    lines = ["[ok  ] root         running as root", "[FAIL] images       not built",
+             "                    fix: bunshin image build base", "1 of 2 checks pass; see the fixes above"]
+    if healthy:
+        lines = [lines[0], "1 of 1 checks pass"]
+    doctor.write_text("#!/bin/sh\ncat <<'EOF'\n" + "\n".join(lines) + f"\nEOF\nexit {0 if healthy else 1}\n")
+    doctor.chmod(0o755)
+    res = bash(f"set -Eeuo pipefail\nsay() {{ echo \"[setup] $*\"; }}\n{_trap_lines()}\nBUNSHIN={doctor}\n"
+               f"{_doctor_step()}\necho reached")
+    msg = re.sub(r"\x1b\[[0-9;]*m", "", res.stderr)
+    if healthy:
+        assert res.returncode == 0 and "reached" in res.stdout, msg
+        assert "checks everything: 1 of 1 checks pass" in res.stdout
+        assert "[ok  ] root" not in res.stdout
+    else:
+        assert res.returncode != 0 and "reached" not in res.stdout
+        assert all(line in res.stdout for line in lines), res.stdout
+        assert 'FAILED in step "6. bunshin doctor"' in msg, msg
+
+
 def test_debian_archive_prints_bunshin_mirror_when_set():
     res = bash(f"source {HOST_SH}\ndebian_archive", BUNSHIN_MIRROR="http://mirror.internal.example/debian")
     assert res.returncode == 0 and res.stdout.strip() == "http://mirror.internal.example/debian"
