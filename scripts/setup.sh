@@ -29,7 +29,8 @@ PKGS="btrfs-progs debootstrap iproute2 nftables util-linux procps psmisc kmod xz
  build-essential pkg-config gcc make libc6-dev python3 python3-venv
  libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler python3-protobuf
  libnl-3-dev libnet1-dev libcap-dev libbsd-dev libnftables-dev libgnutls28-dev uuid-dev
- debian-archive-keyring ca-certificates"
+ debian-archive-keyring ca-certificates
+ git curl"  # git: bench containment's --before worktrees; curl: a test reaches the E2B port URL with it
 missing=$(missing_packages $PKGS | tr '\n' ' ')
 if [ -n "${missing// /}" ]; then
 	say "installing host packages: $missing"

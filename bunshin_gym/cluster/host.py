@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import tarfile
 import threading
@@ -34,6 +35,30 @@ from typing import Any
 from bunshin_gym import config
 
 log = logging.getLogger(__name__)
+
+#: a delta snapshot's link to its parent's images (workspace/snapshots/delta.py's --prev-images-dir)
+_PARENT_LINK = re.compile(r"\.\./\.\./snap-[0-9a-f]+/criu")
+
+
+def extract_images(tar: tarfile.TarFile, dest: Path) -> None:
+    """Unpack a bundle's ``criu/`` images under ``dest``. CRIU's image directory is flat: the
+    directory, its files and, in a delta, the ``parent`` link to a sibling snapshot's images;
+    any other member (a deeper path, an absolute or ``..`` name, another link, a device) is
+    refused before anything is written. Python's own extraction filter (3.11.4 and later) is
+    used as well where there is one; Debian 12's Python, 3.11.2, has none (passing one raised
+    TypeError there and every migration failed)."""
+    members = tar.getmembers()
+    for m in members:
+        parts = m.name.split("/")
+        flat = parts[0] == "criu" and len(parts) <= 2 and all(p not in ("", ".", "..") for p in parts)
+        ok = flat and (m.isdir() if len(parts) == 1 else
+                       m.isfile() or (m.issym() and parts[1] == "parent" and _PARENT_LINK.fullmatch(m.linkname)))
+        if not ok:
+            raise ValueError(f"snapshot bundle: member {m.name!r} ({m.type!r}) is not a CRIU image; nothing unpacked")
+    if hasattr(tarfile, "tar_filter"):
+        tar.extractall(dest, members=members, filter="tar")
+    else:
+        tar.extractall(dest, members=members)
 
 
 @dataclass(frozen=True)
@@ -407,7 +432,7 @@ class HostActor:
                     raise RuntimeError(f"host {self.name}: btrfs receive of {sid} failed: "
                                        f"{proc.stderr.decode().strip()}")
                 with tarfile.open(fileobj=io.BytesIO(part["criu"])) as tar:
-                    tar.extractall(dest, filter="tar")
+                    extract_images(tar, dest)
                 meta = dict(part["meta"])
                 # the image is the same on every host, under this host's pool
                 meta["image_path"] = str(self.p.images / Path(meta["image_path"]).name)

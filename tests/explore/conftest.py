@@ -174,7 +174,24 @@ def host_chromium() -> tuple[str, dict]:
         raise FileNotFoundError(f"{exe}: the web image has no chromium (rebuild it: bunshin image build webarena)")
     libs = [image / d for d in ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu",
                                 "usr/lib/x86_64-linux-gnu/pulseaudio")]
-    return str(exe), {**os.environ, "LD_LIBRARY_PATH": ":".join(map(str, libs))}
+    return str(exe), {**os.environ, "LD_LIBRARY_PATH": ":".join(map(str, libs)),
+                      "FONTCONFIG_FILE": str(image_fonts(image))}
+
+
+def image_fonts(image: Path) -> Path:
+    """A fontconfig file naming the image's fonts, for its chromium run on the host: a host
+    without fonts (a fresh Debian 12 server) has no fontconfig set-up, and chromium then
+    aborts on the first text it lays out (SkFontMgr_FontConfigInterface: "Not implemented")."""
+    import hashlib
+    import tempfile
+
+    conf = Path(tempfile.gettempdir()) / f"bunshin-explore-fonts-{hashlib.sha256(bytes(image)).hexdigest()[:12]}"
+    conf.mkdir(exist_ok=True)
+    (conf / "fonts.conf").write_text(
+        '<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "urn:fontconfig:fonts.dtd">\n<fontconfig>\n'
+        f'  <dir>{image / "usr/share/fonts"}</dir>\n  <cachedir>{conf / "cache"}</cachedir>\n'
+        f'  <include ignore_missing="yes">{image / "etc/fonts/conf.d"}</include>\n</fontconfig>\n')
+    return conf / "fonts.conf"
 
 
 # package scope: playwright's sync API keeps an event loop running in this thread while it is
