@@ -108,6 +108,7 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
     id). A directory whose dump is still running (its in-progress lock held by the controller
     or its CRIU) is never touched."""
     swept = []
+    snapshots = store.Store(p)
     live = {r.snapshot for r in records.all_records(p) if r.running() and not r.holder_of}  # holders serve, not use
     for d in sorted(p.snapshots.iterdir()):
         if d.name.startswith(".") or d.name in live:
@@ -136,7 +137,6 @@ def _sweep_snapshots(p: Paths, thawed: list[str]) -> list[str]:
         if age < 60:  # a fork may be about to register its clones
             continue
         before = d.exists()
-        snapshots = store.Store(p)
         try:
             snap = snapshots.get(d.name)
         except SnapshotError:

@@ -182,11 +182,9 @@ def image_fonts(image: Path) -> Path:
     """A fontconfig file naming the image's fonts, for its chromium run on the host: a host
     without fonts (a fresh Debian 12 server) has no fontconfig set-up, and chromium then
     aborts on the first text it lays out (SkFontMgr_FontConfigInterface: "Not implemented")."""
-    import hashlib
     import tempfile
 
-    conf = Path(tempfile.gettempdir()) / f"bunshin-explore-fonts-{hashlib.sha256(bytes(image)).hexdigest()[:12]}"
-    conf.mkdir(exist_ok=True)
+    conf = Path(tempfile.mkdtemp(prefix="bunshin-explore-fonts-"))  # private: not a fixed name in /tmp
     (conf / "fonts.conf").write_text(
         '<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "urn:fontconfig:fonts.dtd">\n<fontconfig>\n'
         f'  <dir>{image / "usr/share/fonts"}</dir>\n  <cachedir>{conf / "cache"}</cachedir>\n'
