@@ -109,9 +109,11 @@ def _cmd_snap(args) -> int:
         for s in snaps:
             u = s.users()
             users = ", ".join(u["clones"] + [f"child {c}" for c in u["children"]]) or "-"
-            # held: the process that releases it; a gone one's snapshots are `bunshin gc`'s
-            holder = s.metadata.holder
-            held = "-" if holder is None else f"pid {holder[0]}" + (" (gone)" if s.abandoned() else "")
+            # held: the process that releases it, or the directory of the owner that keeps it
+            # (a prefix cache's); a gone one's snapshots are `bunshin gc`'s
+            holder, kept_by = s.metadata.holder, s.metadata.kept_by
+            held = f"pid {holder[0]}" if holder is not None else kept_by or "-"
+            held += " (gone)" if s.abandoned() else ""
             print(f"{s.id:<14} {s.parent or '-':<14} {s.meta['workspace']:<12} {s.mode.value:<8} "
                   f"{s.meta['criu_bytes'] / 2**20:>7.1f} {s.meta['timings']['frozen_ms']:>9.0f}  {held:<16}  {users}")
         if not snaps:

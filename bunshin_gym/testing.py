@@ -33,7 +33,7 @@ class FakeSnapshot:
     def release(self) -> None:
         pass
 
-    def keep(self) -> None:
+    def keep(self, by: str | None = None) -> None:
         pass
 
 

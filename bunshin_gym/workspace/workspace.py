@@ -616,10 +616,11 @@ class Snapshot(StoredSnapshot):
             taken[rec.id] = spare
         return taken
 
-    def keep(self) -> None:
+    def keep(self, by: str | os.PathLike | None = None) -> None:
         """Keep this snapshot past the process that holds it (``snapshot(held=True)``): its
-        new owner deletes it when done with it."""
-        store.Store(self._p).keep(self)
+        new owner deletes it when done with it. ``by``: the owner's directory; once it is
+        removed, ``bunshin gc`` deletes the snapshot (nothing else would know of it)."""
+        store.Store(self._p).keep(self, by)
 
     def delete(self) -> None:
         """Delete the snapshot; refused while a clone or a child snapshot uses it (its

@@ -316,3 +316,52 @@ def test_every_group_of_a_task_forks_its_members_from_the_start_snapshot_the_cac
         cache.clear()
     with pytest.raises(SnapshotError):
         SnapshotStore().get(starts[0])  # the cache's clear deletes it
+
+
+def test_a_deleted_caches_snapshots_are_left_to_gc(tmp_path):
+    """A cache's snapshots are recorded only in its tree: deleted with its directory (a
+    server's state directory, a test's temporary one), they stayed in the store for good (7-9
+    per run of the test suite). Each is kept by the cache's directory, and `bunshin gc`
+    deletes them once that is gone; while it is there, gc leaves them."""
+    import os
+    import shutil
+    import time
+
+    from bunshin_gym.config import paths
+    from bunshin_gym.workspace import gc
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    cache_dir = tmp_path / "cache"
+    cache = PrefixCache(cache_dir, snapshot_every=1)
+    actions = ["ls /data", "ls /data | wc -l > answer.txt", "DONE"]
+    envs = gym.make_vec("Bunshin-Shell-v0", num_envs=2, vectorization_mode="vector_entry_point", cache=cache)
+    try:
+        envs.run_group(lambda i, obs, hist: actions[len(hist)], options={"task": "shell/count-files"})
+    finally:
+        envs.close()
+    ids = {n.snapshot for n in cache.tree.nodes() if n.snapshot}
+    ids |= {r.start for r in cache.tree.roots.values() if getattr(r, "start", None)}
+    assert len(ids) >= 2, "the group left the cache no task start and no call's snapshot"
+    store, p = SnapshotStore(), paths()
+    try:
+        for snap_id in ids:
+            meta = store.get(snap_id).metadata
+            assert meta.kept_by == str(cache_dir.resolve()) and meta.holder is None, (snap_id, meta)
+        listing = subprocess.run([sys.executable, "-m", "bunshin_gym.cli", "snap", "ls"], capture_output=True,
+                                 text=True, timeout=60).stdout
+        rows = {line.split()[0]: line for line in listing.splitlines()[1:] if line.strip()}
+        assert all(str(cache_dir.resolve()) in rows[i] and "(gone)" not in rows[i] for i in ids), listing
+        old = time.time() - 120  # past gc's grace for a fork that is registering its clones
+        for snap_id in ids:
+            os.utime(p.snapshots / snap_id, (old, old))
+        report = gc.collect()
+        assert not ids & set(report.snapshots) and all((p.snapshots / i).exists() for i in ids)
+        shutil.rmtree(cache_dir)
+        report = gc.collect()
+        # each one gone; the report names those gc deleted itself (an ancestor deleted with its
+        # last child's release is not named)
+        assert not [i for i in ids if (p.snapshots / i).exists()], (ids, report.snapshots)
+        assert set(report.snapshots) & ids
+    finally:
+        if cache_dir.exists():
+            cache.clear()

@@ -85,6 +85,12 @@ def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve"), "--close-on-exit")
     yield srv
     srv.stop()
+    # the owners' prefix caches outlive the server by design (its state directory keeps them
+    # for its next start); this server has none: their snapshots go with them
+    from bunshin_gym.rollout import PrefixCache
+
+    for cache_dir in sorted((srv.state_dir / "prefix-cache").glob("*")):
+        PrefixCache(cache_dir).clear()
     # uvicorn re-raises the SIGTERM it handled once shut down
     assert srv.proc.returncode in (0, -15) and "Application shutdown complete" in srv.log, srv.log[-3000:]
 

@@ -58,8 +58,10 @@ def _ct_images(snap) -> list[int]:
 def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps):
     ws = Workspace.create("base")
     clones: list[Workspace] = []
+    snaps = []  # kept by default: deleted below, after the clones that use them
     try:
         snap = ws.snapshot()
+        snaps.append(snap)
         log = (snap.criu_dir / "dump.log").read_text(errors="replace")
         assert log.count(SKIPPED) == 2  # the entries and the expectations
         assert _ct_images(snap) == []
@@ -71,6 +73,7 @@ def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps)
         _in_netns(ADD_ENTRY, ws.pid)
         assert _in_netns(LIST_ENTRIES, ws.pid).split() == ["1", "1"]
         snap2 = ws.snapshot()
+        snaps.append(snap2)
         log = (snap2.criu_dir / "dump.log").read_text(errors="replace")
         assert SKIPPED not in log
         (size,) = _ct_images(snap2)
@@ -81,14 +84,20 @@ def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps)
         for c in clones:
             c.close()
         ws.close()
+        for s in reversed(snaps):
+            s.delete()
 
 
 def test_iptables_binaries_that_are_not_installed_are_not_run(verbose_dumps):
     ws = Workspace.create("base")
+    snap = None
     try:
-        log = (ws.snapshot().criu_dir / "dump.log").read_text(errors="replace")
+        snap = ws.snapshot()
+        log = (snap.criu_dir / "dump.log").read_text(errors="replace")
     finally:
         ws.close()
+        if snap is not None:
+            snap.delete()
     for binary in ("iptables-save", "iptables-legacy-save", "ip6tables-save", "ip6tables-legacy-save"):
         if shutil.which(binary):  # installed: probed by running it, as before
             assert f"{binary} is not on PATH" not in log

@@ -37,6 +37,20 @@ def source():
         ws.close()
 
 
+@pytest.fixture
+def snapshot(source):
+    """``snapshot()``: a snapshot of the source, deleted after the test (kept by default)."""
+    taken = []
+
+    def take():
+        taken.append(source.snapshot())
+        return taken[-1]
+
+    yield take
+    for snap in taken:
+        snap.delete()
+
+
 def _clones_show(snap, want: str) -> None:
     for mode in ("share", "copy"):
         (c,) = snap.fork(1, mode=mode)
@@ -46,10 +60,10 @@ def _clones_show(snap, want: str) -> None:
             c.close()
 
 
-def test_tmpfs_contents_are_plain_tars_and_clones_get_them_exactly(source):
+def test_tmpfs_contents_are_plain_tars_and_clones_get_them_exactly(source, snapshot):
     want = source.exec(["sh", "-c", LOOK]).text
     assert "hello tmp" in want and "shm data" in want
-    snap = source.snapshot()
+    snap = snapshot()
     tars = sorted(snap.criu_dir.glob("tmpfs-dev-*.tar.img"))
     assert tars and not list(snap.criu_dir.glob("tmpfs*.gz.img"))
     names = set()
@@ -60,9 +74,9 @@ def test_tmpfs_contents_are_plain_tars_and_clones_get_them_exactly(source):
     _clones_show(snap, want)
 
 
-def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source):
+def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source, snapshot):
     want = source.exec(["sh", "-c", LOOK]).text
-    snap = source.snapshot()
+    snap = snapshot()
     for t in snap.criu_dir.glob("tmpfs-dev-*.tar.img"):  # as CRIU before 0023 wrote them
         t.with_name(t.name.replace(".tar.img", ".tar.gz.img")).write_bytes(gzip.compress(t.read_bytes()))
         t.unlink()

@@ -46,6 +46,9 @@ class SnapshotMeta:
     #: [pid, start time] of the process that releases it when done with it (an env's boot and
     #: reset snapshots); ``bunshin gc`` releases it once that process is gone (None: kept)
     holder: list[int] | None = None
+    #: the directory of the owner that keeps it past every process (a prefix cache's, where
+    #: its tree names it); ``bunshin gc`` releases it once that directory is gone (None: kept)
+    kept_by: str | None = None
     tags: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
     criu_bytes: int = 0

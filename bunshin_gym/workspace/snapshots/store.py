@@ -15,6 +15,7 @@ The store starts and stops nothing itself: what removing a snapshot's helpers ta
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from concurrent.futures import Future
@@ -137,14 +138,17 @@ class Store:
         on_disk.checksums = snap.metadata.checksums
         meta_file.write(snap.path, on_disk)
 
-    def keep(self, snap: StoredSnapshot) -> None:
+    def keep(self, snap: StoredSnapshot, by: str | os.PathLike | None = None) -> None:
         """Keep a held snapshot (:attr:`~.meta.SnapshotMeta.holder`) after its holder is gone:
-        someone else now deletes it when done (a prefix cache keeping a task's start)."""
-        if snap.metadata.holder is None:
+        someone else now deletes it when done (a prefix cache keeping a task's start). ``by``:
+        that owner's directory (:attr:`~.meta.SnapshotMeta.kept_by`), whose removal leaves the
+        snapshot to ``bunshin gc``."""
+        kept_by = os.path.abspath(by) if by is not None else snap.metadata.kept_by
+        if snap.metadata.holder is None and snap.metadata.kept_by == kept_by:
             return
-        snap.metadata.holder = None
+        snap.metadata.holder, snap.metadata.kept_by = None, kept_by
         on_disk = meta_file.read(snap.path)
-        on_disk.holder = None
+        on_disk.holder, on_disk.kept_by = None, kept_by
         meta_file.write(snap.path, on_disk)
 
     # deleting ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ The ``Snapshot`` handle (forks, deletion) subclasses :class:`StoredSnapshot`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
@@ -51,10 +52,14 @@ class StoredSnapshot:
         return sum(f.stat().st_size for f in self.criu_dir.iterdir() if f.is_file())
 
     def abandoned(self) -> bool:
-        """Held (:attr:`~.meta.SnapshotMeta.holder`) by a process that is gone: the env that
-        would have released it died first (``bunshin gc`` releases it)."""
-        holder = self.metadata.holder
-        return holder is not None and not records.process_alive(holder[0], holder[1])
+        """Held (:attr:`~.meta.SnapshotMeta.holder`) by a process that is gone (the env that
+        would have released it died first), or kept by an owner whose directory is gone
+        (:attr:`~.meta.SnapshotMeta.kept_by`: a prefix cache deleted with its tree, which was
+        the only record of it): ``bunshin gc`` releases it."""
+        holder, kept_by = self.metadata.holder, self.metadata.kept_by
+        if holder is not None and not records.process_alive(holder[0], holder[1]):
+            return True
+        return kept_by is not None and not os.path.isdir(kept_by)
 
     def may_need(self) -> list[str]:
         """The snapshots this one may need besides itself: its parent and those its images name."""
