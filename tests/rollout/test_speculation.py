@@ -260,3 +260,32 @@ def test_the_wrapper_times_the_policys_turns_and_skips_forks_that_would_come_lat
         assert spec.stats.launched == launched and spec.stats.skipped_slow_fork >= 1
     finally:
         env.close()
+
+
+def test_a_chains_recorded_states_are_held_by_the_process_and_gone_after_close():
+    """The state after each of a chain's calls but the last is recorded (a member adopts it on
+    a match). It was a kept snapshot that only the chain released: a crash of the process left
+    it in the store for good. Now it is held by the process (`bunshin gc` releases it after a
+    crash) and still released with the chain."""
+    import os
+
+    from bunshin_gym.config import paths
+    from bunshin_gym.workspace.snapshot import SnapshotStore
+
+    entries = log_entries({"shell/make-dir": [*CHAIN, "DONE"]})
+    spec = Speculation(SpecToolSelector.train(entries), depth=2, durations=TrajectoryLog.durations(entries),
+                       min_duration=0.0)
+    env = spec.wrap(gym.make("Bunshin-Shell-v0"))
+    try:
+        env.reset(options={"task": "shell/make-dir"})
+        assert env.wait_speculation(timeout=60)
+        _, _, _, _, info = env.step(CHAIN[0])
+        assert info.get("speculation") == "hit"
+        adopted = env.unwrapped.workspace._rec.snapshot  # the state recorded after the call
+        base = env.unwrapped
+        assert adopted not in (base._reset_snap.workspace.id, base._boot_snap.id), "no chain state adopted"
+        meta = SnapshotStore().get(adopted).metadata
+        assert meta.holder is not None and meta.holder[0] == os.getpid(), meta
+    finally:
+        env.close()
+    assert not (paths().snapshots / adopted).exists()
