@@ -437,6 +437,8 @@ class HostActor:
                 # the image is the same on every host, under this host's pool
                 meta["image_path"] = str(self.p.images / Path(meta["image_path"]).name)
                 meta["migrated_from"] = bundle["from"]
+                if meta.get("kept_by"):  # kept by the sender's prefix cache: here by this host's
+                    meta["kept_by"] = str(self.cache.tree.dir.resolve())
                 tmp = dest / "meta.json.tmp"
                 tmp.write_text(json.dumps(meta, indent=1))
                 os.replace(tmp, dest / "meta.json")  # last: a snapshot without it is incomplete

@@ -8,6 +8,7 @@ import json
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -98,6 +99,9 @@ def test_a_full_holder_migrates_its_snapshot_chain_and_the_target_restores_from_
         assert received != "-"  # a btrfs receive made it, not a copy of the holder's path
         meta = json.loads((snap_dir / "meta.json").read_text())
         assert meta["migrated_from"] == holder and meta["image_path"].startswith(str(nodes.layout(other).pool))
+        # kept by the target's prefix cache, which names it now (the holder's directory is not
+        # the target's: there `bunshin gc` would take it for a deleted cache's)
+        assert meta["kept_by"].endswith(f"/cluster/{other}/prefix-cache") and Path(meta["kept_by"]).is_dir()
         # a delta: its CRIU images take the pages it did not write from its parent's, which came along
         parent_criu = snap_dir.parent / meta["parent"] / "criu"
         assert (snap_dir / "criu" / "parent").resolve() == parent_criu.resolve() and parent_criu.is_dir()
