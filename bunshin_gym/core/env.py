@@ -529,6 +529,14 @@ class WorkspaceEnv(gym.Env):
             self._owned.snapshots.append(snap)
         return EnvSnapshot(snap, self.task, self.steps, self.done, copy.deepcopy(self.episode_state()))
 
+    def disown(self, ws_snap: Any) -> None:
+        """Hand a snapshot this env or a clone took (``snapshot()``, its ``workspace``) to
+        another owner: none of them releases it on close any more. It stays held by this
+        process (``bunshin gc`` releases it after a crash) until the new owner keeps it
+        (``ws_snap.keep(by=...)``) or releases it."""
+        if ws_snap in self._owned.snapshots:
+            self._owned.snapshots.remove(ws_snap)
+
     @_locked
     def rollback(self, snapshot: EnvSnapshot | None = None) -> Any:
         """Return to a snapshot (default: the state right after the last reset); returns

@@ -451,7 +451,8 @@ class PrefixCache(Counted):
                     return
             # the cache owns it from now on (the group's env would delete it when it closes,
             # and `bunshin gc` after a crash of the process that took it: the tree outlives both)
-            _take_over(base, pending.workspace, self.tree.dir)
+            base.disown(pending.workspace)
+            pending.workspace.keep(by=self.tree.dir)
             root.start, root.start_result = pending.workspace.id, b""
             root.start_state = {"steps": pending.steps, "done": pending.done,
                                 "episode": copy.deepcopy(pending.state)}
@@ -783,7 +784,8 @@ class PrefixCacheWrapper(BunshinWrapper):
         # taken held by this process, then kept by the cache: no moment where a crash leaves
         # a snapshot that neither `bunshin gc` nor the tree would ever delete
         snap = base.snapshot(prefix=node.sig[:200])
-        _take_over(base, snap.workspace, self.cache.tree.dir)
+        base.disown(snap.workspace)
+        snap.workspace.keep(by=self.cache.tree.dir)
         with self.cache.tree.lock:
             if node.snapshot:  # another member got there first
                 _delete_snapshot(snap.id)
@@ -805,16 +807,6 @@ class PrefixCacheWrapper(BunshinWrapper):
                                   observation=observation_text(self.last_obs))
         self.depth += 1
         self.last_obs = obs
-
-
-def _take_over(base: gym.Env, ws_snap: Any, cache_dir: Path) -> None:
-    """The cache owns ``ws_snap``, a snapshot env ``base`` took (held by this process): off
-    the env's list (its close would delete it), kept by the cache's directory, so that a cache
-    deleted with its directory leaves its snapshots to `bunshin gc`, not to no one."""
-    owned = base._owned.snapshots
-    if ws_snap in owned:
-        owned.remove(ws_snap)
-    ws_snap.keep(by=cache_dir)
 
 
 def _inner_call(env: gym.Env, method: str, *args: Any) -> None:

@@ -468,7 +468,11 @@ class SpeculativeWrapper(BunshinWrapper):
                 chain.last_run = i
                 end = call.result[2] or call.result[3]
                 if i < len(chain.calls) - 1 and not end:
-                    call.state = _chain_state(chain.fork)
+                    # kept by the chain, not by the fork env (whose close would delete it while
+                    # a member may still adopt it), released with the chain; held by this
+                    # process meanwhile, so a crash leaves it to `bunshin gc`
+                    call.state = chain.fork.snapshot()
+                    chain.fork.disown(call.state.workspace)
             except Exception:  # noqa: BLE001 - a failed (or killed) speculation is just not served
                 if not chain.cancelled.is_set():
                     logger.debug("speculative call %s failed", call.sig, exc_info=True)
@@ -529,17 +533,6 @@ def _fork_bytes(ws: Any, own_images: bool) -> int:
     if own_images and ws.base_snapshot:
         total += SnapshotStore().get(ws.base_snapshot).size()
     return total
-
-
-def _chain_state(fork: Any) -> EnvSnapshot:
-    """The state of a chain's fork after one of its calls: kept by the chain, not by the fork
-    env (whose close would delete it while a member may still adopt it), and released with the
-    chain; held by this process meanwhile, so a crash leaves it to `bunshin gc`, not to no one."""
-    state = fork.snapshot()
-    owned = fork._owned.snapshots
-    if state.workspace in owned:
-        owned.remove(state.workspace)
-    return state
 
 
 def _release_snapshot(snap: Any) -> None:

@@ -143,7 +143,7 @@ class Store:
         someone else now deletes it when done (a prefix cache keeping a task's start). ``by``:
         that owner's directory (:attr:`~.meta.SnapshotMeta.kept_by`), whose removal leaves the
         snapshot to ``bunshin gc``."""
-        kept_by = os.path.abspath(by) if by is not None else snap.metadata.kept_by
+        kept_by = os.path.realpath(by) if by is not None else snap.metadata.kept_by
         if snap.metadata.holder is None and snap.metadata.kept_by == kept_by:
             return
         snap.metadata.holder, snap.metadata.kept_by = None, kept_by
