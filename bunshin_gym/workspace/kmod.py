@@ -45,7 +45,7 @@ from typing import Protocol
 
 from bunshin_gym import config, kmod_share
 from bunshin_gym.config import Paths, criu_carries, paths
-from bunshin_gym.workspace import records
+from bunshin_gym.workspace import buildonce, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import SetupError
 
@@ -367,13 +367,7 @@ def action_script(p: Paths | None = None) -> Path:
     text = ('#!/bin/sh\n# bunshin kmod mode: share anonymous memory from the holder before the clone runs\n'
             '[ "$CRTOOLS_SCRIPT_ACTION" = pre-resume ] || exit 0\n'
             f'exec {sys.executable} -c "from bunshin_gym.workspace.kmod import main; raise SystemExit(main())"\n')
-    if not path.exists() or path.read_text() != text:
-        p.run.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
-    return path
+    return buildonce.write_text(path, text, 0o755)
 
 
 def read_report(report: Path) -> dict:

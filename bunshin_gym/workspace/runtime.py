@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 from bunshin_gym.config import Paths, paths
+from bunshin_gym.workspace import buildonce
 from bunshin_gym.workspace.errors import SetupError
 
 HERE = Path(__file__).parent
@@ -40,19 +41,19 @@ def ensure_runtime(p: Paths | None = None) -> Path:
         return layer
     if shutil.which("gcc") is None:
         raise SetupError("gcc is missing (needed to build the workspace init); run: scripts/setup.sh")
-    tmp = layer.with_name(layer.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / ".bunshin").mkdir(parents=True)
-    (tmp / ".snap").mkdir()
-    proc = subprocess.run(
-        ["gcc", *CFLAGS, "-o", str(tmp / ".bunshin" / "init"), str(SOURCES[0])], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        raise SetupError(f"compiling {SOURCES[0]} failed:\n{proc.stderr}")
-    for script in SCRIPTS:
-        shutil.copy(script, tmp / ".bunshin" / script.name)
-    tmp.rename(layer)
-    return layer
+
+    def build(target: Path) -> None:
+        (target / ".bunshin").mkdir(parents=True)
+        (target / ".snap").mkdir()
+        proc = subprocess.run(
+            ["gcc", *CFLAGS, "-o", str(target / ".bunshin" / "init"), str(SOURCES[0])], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise SetupError(f"compiling {SOURCES[0]} failed:\n{proc.stderr}")
+        for script in SCRIPTS:
+            shutil.copy(script, target / ".bunshin" / script.name)
+
+    return buildonce.build_once(layer, build)
 
 
 def launcher(p: Paths | None = None) -> Path:

@@ -46,7 +46,7 @@ from functools import cache
 from pathlib import Path
 
 from bunshin_gym.config import Paths, at_workspace_nice, criu_carries, paths, share_anon_forced_ksm, write_tracking
-from bunshin_gym.workspace import idmap, records
+from bunshin_gym.workspace import buildonce, idmap, records
 from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.errors import ForkError, SetupError
 
@@ -74,13 +74,13 @@ def monitor_binary(p: Paths | None = None) -> Path:
         return out
     if shutil.which("gcc") is None:
         raise SetupError("gcc is missing (needed to build the uffd monitor); run: scripts/setup.sh")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    proc = subprocess.run(["gcc", *CFLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SetupError(f"compiling {SOURCE} failed:\n{proc.stderr}")
-    os.rename(tmp, out)
-    return out
+
+    def compile_to(target: Path) -> None:
+        proc = subprocess.run(["gcc", *CFLAGS, "-o", str(target), str(SOURCE)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SetupError(f"compiling {SOURCE} failed:\n{proc.stderr}")
+
+    return buildonce.build_once(out, compile_to)
 
 
 @cache
