@@ -15,7 +15,12 @@ Two modes per count, side by side:
 Memory is that of the run's own workspaces, sampled over time, as ``bench epoch`` samples
 it (:class:`~bunshin_gym.bench.epoch.WorkspaceMemorySampler`): the sum of their cgroups'
 charge, the tmpfs page images their share clones map and their userfaultfd monitors, the
-sources included; never host-wide. Each point's peak comes with its parts at the peak.
+sources included while they run; never host-wide. Each point's peak comes with its parts at
+the peak. A group's source runs until its members are forked, then is parked (closed, its
+state a snapshot: ``GroupVectorEnv(park_root=True)``, the default since 2026-12-02), so at the
+barrier only the members run; a share clone's page images are what stays of the source in
+memory. ``bench/results/scaling-osworld.txt`` (2026-12-01) predates parking: its sources ran
+throughout (9, 18, 36 and 72 workspaces).
 
 Counts run in rising order, the two modes taking turns first. Before a count runs, each
 mode's peak is projected from its last count (per rollout, linearly); a count whose

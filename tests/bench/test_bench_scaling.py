@@ -71,14 +71,15 @@ def test_a_count_projected_past_the_host_share_is_not_run_and_is_reported(tmp_pa
 @pytest.mark.slow
 def test_four_concurrent_desktop_rollouts_in_both_modes(tmp_path):
     """Two groups of G=2 on Bunshin-OSWorld-v0, copy and share: real desktops, memory per part,
-    all four members and both sources live at once (the barrier)."""
+    all four members live at once (the barrier); each source is parked once its members are
+    forked, so at most both sources and the four members ever ran together."""
     from bunshin_gym.rollout.runmemory import workspace_memory
 
     before = workspace_memory()["workspaces"]
     doc = S.run(str(tmp_path / "s.json"), counts=(4,), group=2)
     copy, share = doc["modes"]["copy-base"][0], doc["modes"]["share-base"][0]
     for p in (copy, share):
-        assert p["most_workspaces"] == 6 and p["most_running"] == 4  # two sources and their four members
+        assert p["most_running"] == 4 and 4 <= p["most_workspaces"] <= 6
         assert p["peak_mb"] > 0 and len(p["rewards"]) == 4 and not p["errors"] and p["all_forked_s"] > 0
     assert copy["parts_at_peak"]["page_images"] == 0.0  # private copies map no shared images
     assert share["parts_at_peak"]["page_images"] > 0 and share["parts_at_peak"]["monitors"] > 0
