@@ -146,7 +146,7 @@ def test_the_library_layers_report_through_logging_not_print():
 #: runtime"): each module of ``bunshin_gym/workspace/`` (a sub-package counts as one) and the
 #: layer it is in. A module imports only from its own layer and the ones below it.
 WORKSPACE_LAYERS = [
-    ["errors"],
+    ["errors", "buildonce"],  # standard library only
     ["records"],
     ["cgroups"],
     ["pool", "idmap", "hostlimits"],
