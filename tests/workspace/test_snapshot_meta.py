@@ -6,6 +6,7 @@ child needs the snapshot, release deletes an ephemeral chain once its last user 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,65 @@ def test_release_of_a_used_snapshot_marks_it_ephemeral_on_disk(tmp_path):
     assert on_disk["ephemeral"] is True and on_disk["tags"] == {"k": "v"}
     st.delete(st.get("snap-b"), lambda rec, p: None)  # its last user goes: a goes with it
     assert not (p.snapshots / "snap-a").exists()
+
+
+def test_threads_keeping_one_snapshot_at_once_never_see_a_corrupt_meta_json(tmp_path):
+    """Written as the race: four threads keep one snapshot for changing owners, 200 times each,
+    reading it back every time. With one shared temporary name each writer renamed the others'
+    half-written files: in a probe of 4 x 300 calls, 728 failed (FileNotFoundError on the rename,
+    and 'snapshot snap-x is corrupt: meta.json: Expecting value' for readers)."""
+    p = _paths(tmp_path)
+    st = store.Store(p)
+    d = _lay(p, "snap-a", tags={"k": "v"})
+    owners = [tmp_path / f"cache{i}" for i in range(4)]
+    for o in owners:
+        o.mkdir()
+    errors: list[str] = []
+    start = threading.Barrier(len(owners))
+
+    def keep_many(i: int) -> None:
+        start.wait()
+        for k in range(200):
+            try:
+                snap = st.get("snap-a")
+                snap.metadata.holder = [1, 2]  # as its holding process would have it
+                st.keep(snap, by=owners[(i + k) % len(owners)])
+            except Exception as e:  # noqa: BLE001 - counted: the test is that there are none
+                errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=keep_many, args=(i,)) for i in range(len(owners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    m = meta_file.read(d)
+    assert m.holder is None and m.kept_by in {str(o) for o in owners} and m.tags == {"k": "v"}
+    assert sorted(f.name for f in d.iterdir()) == ["criu", "fs", "meta.json"]  # no temporary left
+
+
+def test_concurrent_updates_of_different_fields_lose_neither(tmp_path):
+    """A keep and a release marking one snapshot ephemeral at once each read, change and write
+    meta.json: without the lock, the later write carried the other's stale copy of the field."""
+    p = _paths(tmp_path)
+    d = _lay(p, "snap-a")
+    start = threading.Barrier(2)
+
+    def bump(key: str) -> None:
+        start.wait()
+        for _ in range(150):
+            with meta_file.updating(d) as m:
+                m.tags[key] = m.tags.get(key, 0) + 1
+
+    threads = [threading.Thread(target=bump, args=(key,)) for key in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert meta_file.read(d).tags == {"a": 150, "b": 150}
+
+
+def test_updating_a_snapshot_that_is_gone_names_it(tmp_path):
+    with pytest.raises(SnapshotError, match="snap-gone is corrupt or incomplete"):
+        with meta_file.updating(tmp_path / "snap-gone"):
+            pass

@@ -191,16 +191,17 @@ def flatten_snapshot(snap: StoredSnapshot) -> dict:
     (``lineage.stale_clones``)."""
     p = snap._p
     with _lock(p):
-        meta = meta_file.read(snap.path)
+        before = meta_file.read(snap.path)
         info = flatten_dir(snap.path, snap.id, p)
-        if not info["files"] and meta.flattened:
-            snap.metadata = meta
-            return meta.flattened
+        if not info["files"] and before.flattened:
+            snap.metadata = before
+            return before.flattened
         info["reason"] = "on demand"
-        meta.ref_depth, meta.refs, meta.flattened = 0, [], info
         memory.registry.images_rewritten(snap.id, snap.criu_dir, ["files.img"], p)  # share's tmpfs copy
-        if meta.checksums is not None:  # the images were rewritten: their sums too
-            meta.checksums = integrity.checksums(snap.criu_dir)
-        meta_file.write(snap.path, meta)
+        # as on disk now: a keep or release during the flattening is not undone
+        with meta_file.updating(snap.path) as meta:
+            meta.ref_depth, meta.refs, meta.flattened = 0, [], info
+            if meta.checksums is not None:  # the images were rewritten: their sums too
+                meta.checksums = integrity.checksums(snap.criu_dir)
         snap.metadata = meta
         return info

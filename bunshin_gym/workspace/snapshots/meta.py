@@ -9,9 +9,13 @@ written back has the same keys (``tests/workspace/test_snapshot_meta.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,10 +116,32 @@ def read(path: Path) -> SnapshotMeta:
 
 
 def write(path: Path, meta: SnapshotMeta) -> None:
-    """Write ``meta.json`` atomically: a failed write (a full disk) leaves the old one, or none."""
-    tmp = path / (META_FILE + ".tmp")
+    """Write ``meta.json`` atomically: a failed write (a full disk) leaves the old one, or none.
+    Each write goes through a temporary file of its own: with one shared name, two writers
+    (threads keeping and releasing one snapshot) renamed each other's file half written, and
+    readers saw an empty ``meta.json`` ("corrupt") or the rename failed."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{META_FILE}.", dir=path)
     try:
-        tmp.write_text(json.dumps(meta.to_dict(), indent=1))
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(meta.to_dict(), indent=1))
         os.replace(tmp, path / META_FILE)
     finally:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def updating(path: Path) -> Iterator[SnapshotMeta]:
+    """``meta.json`` of ``path`` as on disk now, written back when the block ends: a
+    read-modify-write that no other one (thread or process) interleaves with, so none loses
+    another's change (an ``flock`` on the snapshot directory itself)."""
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SnapshotError(f"snapshot {path.name} is corrupt or incomplete: no {META_FILE}") from None
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        meta = read(path)
+        yield meta
+        write(path, meta)
+    finally:
+        os.close(dir_fd)  # drops the lock

@@ -134,9 +134,8 @@ class Store:
         if snap.metadata.checksums is None:
             return
         snap.metadata.checksums = integrity.checksums(snap.criu_dir)
-        on_disk = meta_file.read(snap.path)
-        on_disk.checksums = snap.metadata.checksums
-        meta_file.write(snap.path, on_disk)
+        with meta_file.updating(snap.path) as on_disk:
+            on_disk.checksums = snap.metadata.checksums
 
     def keep(self, snap: StoredSnapshot, by: str | os.PathLike | None = None) -> None:
         """Keep a held snapshot (:attr:`~.meta.SnapshotMeta.holder`) after its holder is gone:
@@ -147,9 +146,8 @@ class Store:
         if snap.metadata.holder is None and snap.metadata.kept_by == kept_by:
             return
         snap.metadata.holder, snap.metadata.kept_by = None, kept_by
-        on_disk = meta_file.read(snap.path)
-        on_disk.holder, on_disk.kept_by = None, kept_by
-        meta_file.write(snap.path, on_disk)
+        with meta_file.updating(snap.path) as on_disk:
+            on_disk.holder, on_disk.kept_by = None, kept_by
 
     # deleting ----------------------------------------------------------------------------
     def delete(self, snap: StoredSnapshot, reclaim: Reclaim) -> None:
@@ -179,9 +177,8 @@ class Store:
                 self._remove(snap, reclaim)
                 return
             snap.metadata.ephemeral = True
-            on_disk = meta_file.read(snap.path)  # another process may have written it since
-            on_disk.ephemeral = True
-            meta_file.write(snap.path, on_disk)
+            with meta_file.updating(snap.path) as on_disk:  # as on disk: another process may have written it
+                on_disk.ephemeral = True
         if not any(self.users(snap.id).values()):  # the last user may have gone meanwhile
             self._remove(snap, reclaim)
 
