@@ -168,6 +168,7 @@ def test_threads_keeping_one_snapshot_at_once_never_see_a_corrupt_meta_json(tmp_
     m = meta_file.read(d)
     assert m.holder is None and m.kept_by in {str(o) for o in owners} and m.tags == {"k": "v"}
     assert sorted(f.name for f in d.iterdir()) == ["criu", "fs", "meta.json"]  # no temporary left
+    assert (d / "meta.json").stat().st_mode & 0o777 == 0o644  # readable as before, not mkstemp's 0600
 
 
 def test_concurrent_updates_of_different_fields_lose_neither(tmp_path):

@@ -122,6 +122,7 @@ def write(path: Path, meta: SnapshotMeta) -> None:
     readers saw an empty ``meta.json`` ("corrupt") or the rename failed."""
     fd, tmp = tempfile.mkstemp(prefix=f".{META_FILE}.", dir=path)
     try:
+        os.fchmod(fd, 0o644)  # what write_text gave it (mkstemp's files are 0600)
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(meta.to_dict(), indent=1))
         os.replace(tmp, path / META_FILE)
