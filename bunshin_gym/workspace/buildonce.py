@@ -60,13 +60,19 @@ def write_text(path: Path, text: str, mode: int = 0o644) -> Path:
     with exclusive(path):
         if path.exists() and path.read_text() == text:
             return path
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_text(path, text, mode)
     return path
+
+
+def replace_text(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``path`` whole, atomically, through a temporary file of this call's own (one
+    name shared by concurrent writers lets one rename another's half-written file): readers
+    see the old file or the new one; a failed write leaves the old one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)  # mkstemp's files are 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

@@ -14,13 +14,13 @@ import dataclasses
 import fcntl
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bunshin_gym.errors import SnapshotError
+from bunshin_gym.workspace import buildonce
 
 #: the file of a snapshot directory that holds its metadata, written last
 META_FILE = "meta.json"
@@ -120,14 +120,7 @@ def write(path: Path, meta: SnapshotMeta) -> None:
     Each write goes through a temporary file of its own: with one shared name, two writers
     (threads keeping and releasing one snapshot) renamed each other's file half written, and
     readers saw an empty ``meta.json`` ("corrupt") or the rename failed."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{META_FILE}.", dir=path)
-    try:
-        os.fchmod(fd, 0o644)  # what write_text gave it (mkstemp's files are 0600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(meta.to_dict(), indent=1))
-        os.replace(tmp, path / META_FILE)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    buildonce.replace_text(path / META_FILE, json.dumps(meta.to_dict(), indent=1), 0o644)
 
 
 @contextlib.contextmanager
