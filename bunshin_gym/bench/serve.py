@@ -11,7 +11,9 @@
   in-process, over the local channel (screenshots as the rectangles X says were drawn), over
   a WebSocket channel, over HTTP, and over the local channel receiving whole screenshots
   (``frame_deltas=False``, what deltas save), rounds interleaved; the goal is a remote
-  median at most 1.2x the in-process one.
+  median at most 1.2x the in-process one. The steps are a mouse move and a shift key, which
+  draw nothing (no pixels travel); the same is measured alternated step by step, and for
+  steps that draw (a character typed into the editor, then erased: a few rows travel).
   Where the remote time goes is measured at both ends: the env's step in the server, the
   server's encoding of the answer, the rest of the server's time on the request (channels:
   parsing it; over a WebSocket also the hop to the env's thread and back), the client's decoding, and the rest
@@ -50,6 +52,9 @@ from bunshin_gym.remote import RemoteError, wait_for_server
 
 SHELL_TASK = "shell/count-files"
 DESKTOP_TASK = "osworld/editor-append-item"
+#: a desktop step that draws (the editor task has its file open and focused), then one that
+#: takes it back: each changes a few rows of the screenshot
+DRAWING_ACTIONS = ({"action_type": "TYPING", "text": "x"}, {"action_type": "PRESS", "key": "backspace"})
 
 
 class _Server:
@@ -225,6 +230,14 @@ def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
             for a in actions:
                 own(_steps, local, [a], paired["in_process"])
                 _steps(envs[1], [a], paired["remote"])
+        # steps that draw: a character typed into the editor, then taken back, so pixels
+        # change and travel as rectangles (the steps above draw nothing: no pixels travel)
+        drawing: dict[str, list[float]] = {"in_process": [], "remote": []}
+        drawing_parts: list[dict] = []
+        for _ in range(rounds):
+            for a in DRAWING_ACTIONS * (steps // 2 or 1):
+                own(_steps, local, [a], drawing["in_process"])
+                _steps(envs[1], [a], drawing["remote"], drawing_parts)
     finally:
         for env in envs:
             env.close()
@@ -238,10 +251,17 @@ def desktop_step(server: _Server, steps: int, rounds: int) -> dict:
     out["ratio_median_http"] = round(out["remote_http"]["median_ms"] / local_ms, 3)
     out["ratio_median_whole_frames"] = round(out["remote_whole_frames"]["median_ms"] / local_ms, 3)
     out["goal_ratio_median"] = 1.2
-    out["paired"] = {"in_process": summary(paired["in_process"]), "remote": summary(paired["remote"]),
-                     "median_of_ratios": round(statistics.median(
-                         r / i for i, r in zip(paired["in_process"], paired["remote"], strict=True)), 3)}
+    out["paired"] = _pairs(paired)
+    out["paired_drawing"] = dict(_pairs(drawing), remote_breakdown=breakdown(drawing_parts))
     return out
+
+
+def _pairs(times: dict[str, list[float]]) -> dict:
+    """Steps alternated one by one in-process and remote: both sides' summaries and the median
+    of the pairs' ratios."""
+    return {"in_process": summary(times["in_process"]), "remote": summary(times["remote"]),
+            "median_of_ratios": round(statistics.median(
+                r / i for i, r in zip(times["in_process"], times["remote"], strict=True)), 3)}
 
 
 def fork16(server: _Server, n: int, rounds: int) -> dict:
@@ -359,6 +379,9 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
         pair = d["paired"]
         rows.append(["  steps alternated", pair["in_process"]["median_ms"], pair["remote"]["median_ms"],
                      f"{pair['median_of_ratios']}x (median of the pairs' ratios)"])
+        draw = d["paired_drawing"]
+        rows.append(["  steps that draw", draw["in_process"]["median_ms"], draw["remote"]["median_ms"],
+                     f"{draw['median_of_ratios']}x (pairs: a character typed, then erased)"])
         rows.append(["  over a WebSocket", d["in_process"]["median_ms"], d["remote_websocket"]["median_ms"],
                      f"{d['ratio_median_websocket']}x"])
         rows.append(["  over HTTP", d["in_process"]["median_ms"], d["remote_http"]["median_ms"],
@@ -378,7 +401,8 @@ def run(json_path: str | None = None, *, steps: int = 20, rounds: int = 3, deskt
         parts = [["local channel", *d["remote_breakdown"].values()],
                  ["WebSocket channel", *d["remote_websocket_breakdown"].values()],
                  ["HTTP", *d["remote_http_breakdown"].values()],
-                 ["local, whole frames", *d["remote_whole_frames_breakdown"].values()]]
+                 ["local, whole frames", *d["remote_whole_frames_breakdown"].values()],
+                 ["local, steps that draw", *d["paired_drawing"]["remote_breakdown"].values()]]
         print("\nwhere a remote desktop step's time went (medians, ms; 'added' and 'x own step': the call's "
               "time less, and over, the same step's time in the server)")
         print(table(parts, ["", "added", "x own step", "server step", "server encode", "server other",

@@ -33,4 +33,7 @@ def test_tiny_desktop_step_measures_blocks_and_alternated_pairs(tmp_path):
     pair = d["paired"]
     assert pair["in_process"]["n"] == pair["remote"]["n"] == 3
     assert pair["median_of_ratios"] > 0 and d["ratio_median"] > 0
+    draw = d["paired_drawing"]
+    assert draw["in_process"]["n"] == draw["remote"]["n"] == 2  # one typed character, one erased
+    assert draw["median_of_ratios"] > 0 and draw["remote_breakdown"]["server_step_ms"] > 0
     assert d["remote_breakdown"]["server_step_ms"] > 0
