@@ -125,6 +125,11 @@ class AgentClient:
         # polled fast: a restored agent answers within milliseconds, and a fork waits on it
         self._client.wait_ready(timeout, ping_timeout=max(1.0, timeout), interval=0.002)
 
+    def rename(self, name: str) -> None:
+        """Name another workspace in errors (a restore made beside one and handed to another)."""
+        self._name = name
+        self._client.name = f"{name}: agent"
+
     def disconnect(self) -> None:
         """Drop the connection (CRIU cannot dump a unix connection that leaves the workspace)."""
         self._client.close()

@@ -499,9 +499,14 @@ def _outputs(proc: subprocess.Popen, grace: float = 2.0) -> tuple[str, str]:
         return "", "(the restore exited; half-restored tasks kept its output open)"
 
 
-def restore_beside(rec: records.Record, snap: StoredSnapshot, p: Paths, ready_timeout: float = 30.0) -> records.Record:
+def restore_beside(rec: records.Record, snap: StoredSnapshot, p: Paths, ready_timeout: float = 30.0
+                   ) -> tuple[records.Record, AgentClient]:
     """A rollback's restore: ``snap`` restored beside the workspace of ``rec`` (a subvolume and
-    cgroup of its own, under a temporary record) until its agent answers; returns that record.
+    cgroup of its own, under a temporary record) until its agent answers; returns that record
+    and the connection it answered on, for the workspace that takes the restore to keep: the
+    agent serves each connection on a thread of its own, which takes a pid in the workspace,
+    so a second connection would make the next pid its programs see one higher than a fork
+    of the same snapshot gives them (tests/workspace/test_pid_namespace.py).
     Nothing of the workspace is touched: a rollback that fails here (a deleted or corrupt
     snapshot, a full disk, CRIU) leaves it running as it was, and the temporary one reclaimed.
     """
@@ -522,11 +527,12 @@ def restore_beside(rec: records.Record, snap: StoredSnapshot, p: Paths, ready_ti
         Cgroup.create(new.cgroup, Limits.parse(new.limits))
         _lay_files(snap, [new])
         _finish_restore(new, _start_restore(snap, new, p, helper), p)
-        AgentClient(new.pid1, rec.id).wait_ready(ready_timeout)  # the client is dropped: nothing to close
+        client = AgentClient(new.pid1, rec.id)
+        client.wait_ready(ready_timeout)
     except BaseException:
         reclaim(new, p)
         raise
-    return new
+    return new, client
 
 
 #: record fields that belong to the running processes and files (swapped by a rollback),

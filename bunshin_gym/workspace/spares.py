@@ -13,6 +13,11 @@ from that point. The workspaces run without a time namespace, so a restored work
 clocks have already moved on by the time since its snapshot; a spare's have moved on by
 as much, in one more pause, as under a host that paused the restored processes for a while.
 
+A spare keeps the connection its agent answered on before the freeze, and the workspace that
+takes it keeps that one too: each connection is served on a thread of the agent, which takes
+a pid in the workspace, and a fork or a rollback that takes a spare must leave the next pid its
+programs see where a plain restore leaves it.
+
 A spare is a workspace record owned by this process: ``bunshin gc`` reclaims it after a
 crash, and :func:`discard` (called at exit) before. Its snapshot counts it as a user, so a
 snapshot's owner discards its spares before deleting it.
@@ -40,8 +45,9 @@ __all__ = ["count", "discard", "memory_bytes", "pids", "prepare", "take"]
 #: seconds a thawed spare's agent has to answer (it answered before the freeze)
 _READY_TIMEOUT = 10.0
 _lock = threading.Lock()
-#: snapshot id -> frozen spares restored from it (records owned by this process)
-_spares: dict[str, list[records.Record]] = {}
+#: snapshot id -> frozen spares restored from it (records owned by this process, each with the
+#: connection its agent answered on)
+_spares: dict[str, list[tuple[records.Record, AgentClient]]] = {}
 
 
 def _fits(spare: records.Record, rec: records.Record) -> bool:
@@ -55,41 +61,44 @@ def prepare(rec: records.Record, snap: StoredSnapshot, p: Paths | None = None) -
     it for the next rollback of a workspace like ``rec`` to ``snap``; returns its record.
     Raises what the restore raises; nothing is kept then."""
     p = p or paths()
-    spare = forking.restore_beside(rec, snap, p)
+    spare, client = forking.restore_beside(rec, snap, p)
     try:
         Cgroup(spare.cgroup).freeze()
     except BaseException:
+        client.disconnect()
         teardown.reclaim(spare, p)
         raise
     with _lock:
-        _spares.setdefault(snap.id, []).append(spare)
+        _spares.setdefault(snap.id, []).append((spare, client))
     log.debug("spare %s of snapshot %s ready (frozen)", spare.id, snap.id)
     return spare
 
 
-def take(rec: records.Record, snap_id: str, p: Paths | None = None) -> records.Record | None:
-    """A spare of ``snap_id`` that fits ``rec``, thawed, for :func:`~.forking.swap_in`; None if
-    there is none (or the one found died: it is reclaimed)."""
+def take(rec: records.Record, snap_id: str, p: Paths | None = None) -> tuple[records.Record, AgentClient] | None:
+    """A spare of ``snap_id`` that fits ``rec``, thawed, for :func:`~.forking.swap_in`, with
+    the connection its agent answered on (for the workspace to keep); None if there is none
+    (or the one found died: it is reclaimed)."""
     p = p or paths()
     while True:
         with _lock:
             kept = _spares.get(snap_id, [])
-            spare = next((s for s in kept if _fits(s, rec)), None)
-            if spare is None:
+            found = next((s for s in kept if _fits(s[0], rec)), None)
+            if found is None:
                 return None
-            kept.remove(spare)
+            kept.remove(found)
             if not kept:
                 _spares.pop(snap_id, None)
+        spare, client = found
         try:
             # a frozen task cannot die (cgroup v1): one killed meanwhile has SIGKILL pending
             if not spare.running() or _kill_pending(spare.pid1):
                 raise WorkspaceError(f"spare {spare.id} of snapshot {snap_id} was killed")
             Cgroup(spare.cgroup).thaw()
-            AgentClient(spare.pid1, rec.id).wait_ready(_READY_TIMEOUT)  # it answers, as after a restore
-            return spare
+            client.wait_ready(_READY_TIMEOUT)  # it answers, as after a restore (on its connection)
+            return spare, client
         except (WorkspaceError, OSError) as e:
             log.warning("%s; restoring instead", e)
-            _reclaim(spare, p)
+            _reclaim(found, p)
 
 
 def _kill_pending(pid: int) -> bool:
@@ -111,13 +120,13 @@ def count(snap_id: str | None = None) -> int:
 def pids(snap_id: str) -> set[int]:
     """PID 1 of each spare of the snapshot (a workspace that took one runs on it)."""
     with _lock:
-        return {s.pid1 for s in _spares.get(snap_id, []) if s.pid1 is not None}
+        return {s.pid1 for s, _ in _spares.get(snap_id, []) if s.pid1 is not None}
 
 
 def memory_bytes(snap_id: str | None = None) -> int:
     """Bytes charged to the spares' memory cgroups (of one snapshot, or of all)."""
     with _lock:
-        kept = list(_spares.get(snap_id, [])) if snap_id else [s for v in _spares.values() for s in v]
+        kept = [s for s, _ in _spares.get(snap_id, [])] if snap_id else [s for v in _spares.values() for s, _ in v]
     total = 0
     for spare in kept:
         try:
@@ -135,12 +144,14 @@ def discard(snap_id: str | None = None, p: Paths | None = None) -> int:
             _spares.clear()
         else:
             gone = _spares.pop(snap_id, [])
-    for spare in gone:
-        _reclaim(spare, p or paths())
+    for kept in gone:
+        _reclaim(kept, p or paths())
     return len(gone)
 
 
-def _reclaim(spare: records.Record, p: Paths) -> None:
+def _reclaim(kept: tuple[records.Record, AgentClient], p: Paths) -> None:
+    spare, client = kept
+    client.disconnect()
     try:
         teardown.reclaim(spare, p)
     except Exception:  # noqa: BLE001 - its record stays, owned by this process: `bunshin gc` retries

@@ -168,7 +168,13 @@ class Workspace:
             raise WorkspaceClosed(f"workspace {ws_id} is not running (reclaim it with: bunshin gc)")
         return cls(rec, p)
 
-    def _connect(self, timeout: float = 30.0) -> None:
+    def _connect(self, timeout: float = 30.0, client: AgentClient | None = None) -> None:
+        """Connect to the agent and wait until it answers; ``client``: a connection it answered
+        on already (a restore's, see :func:`~.forking.restore_beside`), kept instead of a new one."""
+        if client is not None:
+            client.rename(self.id)
+            self._client = client
+            return
         self._client = AgentClient(self._rec.pid1, self.id)
         self._client.wait_ready(timeout)
 
@@ -411,12 +417,12 @@ class Workspace:
         old = self._rec.snapshot
         # a spare made ahead (prepare_rollback) skips the restore; else the workspace stays
         # untouched until the restore beside it is up
-        new = spares.take(self._rec, snap.id, self._p) or forking.restore_beside(self._rec, snap, self._p)
+        new, client = spares.take(self._rec, snap.id, self._p) or forking.restore_beside(self._rec, snap, self._p)
         self.disconnect()
         replaced = forking.swap_in(self._rec, new, self._p)
         self._cgroup = Cgroup(self._rec.cgroup)
         self._reclaim_later(replaced)  # the wait for them to go and the file system's deletion
-        self._connect()
+        self._connect(client=client)
         if old != snap.id:
             teardown.release_snapshot(old, self._p)
 
@@ -567,13 +573,13 @@ class Snapshot(StoredSnapshot):
         recs = forking.clone_records(self, n, mode, detached=detached, holder=_holder)
         # spares made ahead (prepare_rollback) are clones already restored: taken first
         spare_of = {} if detached or _holder else self._take_spares(recs)
-        clones = [Workspace(spare_of.get(rec.id, rec), self._p) for rec in recs]
+        clones = [Workspace(spare_of[rec.id][0] if rec.id in spare_of else rec, self._p) for rec in recs]
         try:
             if len(spare_of) < n:
                 forking.restore_clones(self, [rec for rec in recs if rec.id not in spare_of], backend)
-            for ws in clones:
+            for rec, ws in zip(recs, clones, strict=True):
                 if not _holder:
-                    ws._connect()
+                    ws._connect(client=spare_of[rec.id][1] if rec.id in spare_of else None)
         except BaseException as e:
             for ws in clones:
                 ws.close()
@@ -606,8 +612,9 @@ class Snapshot(StoredSnapshot):
         for template in forking.clone_records(self, n, mode):  # only their image, mode and limits are used
             spares.prepare(template, self, self._p)
 
-    def _take_spares(self, recs: list[records.Record]) -> dict[str, records.Record]:
-        """Spares of this snapshot that fit these clone records, by the record each replaces."""
+    def _take_spares(self, recs: list[records.Record]) -> dict[str, tuple[records.Record, AgentClient]]:
+        """Spares of this snapshot that fit these clone records (each with the connection its
+        agent answered on), by the record each replaces."""
         taken = {}
         for rec in recs:
             spare = spares.take(rec, self.id, self._p)
