@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import queue
 import selectors
 import signal
 import socketserver
@@ -325,8 +326,45 @@ class Handler(socketserver.BaseRequestHandler):
                 return
 
 
-class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+class Server(socketserver.UnixStreamServer):
+    """Serves each connection on a thread, keeping the threads for later connections.
+
+    A thread is a task of the workspace and takes a pid there. A thread per connection (as
+    ``socketserver.ThreadingMixIn`` makes) showed every reconnect of the controller in the pids
+    the workspace's programs get next: the controller drops its connection before each
+    snapshot and connects again after, so a snapshot made the next process's pid one higher
+    than without it. A connection now takes an idle thread, and a new one (daemon: a
+    connection left open never holds the agent's exit) only when none is idle.
+    """
+
+    def __init__(self, address: str, handler):
+        super().__init__(address, handler)
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._connections: queue.SimpleQueue = queue.SimpleQueue()
+
+    def process_request(self, request, client_address) -> None:
+        with self._lock:
+            reuse = self._idle > 0
+            if reuse:
+                self._idle -= 1
+        if not reuse:
+            threading.Thread(target=self._serve_connections, daemon=True).start()
+        self._connections.put((request, client_address))
+
+    def _serve_connections(self) -> None:
+        while True:
+            request, client_address = self._connections.get()
+            try:
+                self.finish_request(request, client_address)
+            except Exception:  # noqa: BLE001 - as socketserver reports a handler's failure
+                self.handle_error(request, client_address)
+            finally:
+                # idle before the close: the peer, once it sees the close, may connect again
+                # at once (a snapshot's reconnect), and that connection must find this thread
+                with self._lock:
+                    self._idle += 1
+                self.shutdown_request(request)
 
 
 def main() -> None:
