@@ -87,6 +87,25 @@ def test_clones_keep_the_episode_and_diverge(env):
         b.close()
 
 
+def test_clones_and_a_rollback_run_their_next_command_under_the_pid_the_source_does(env):
+    """What ``echo $$`` prints is part of the state a clone continues (tests/workspace/
+    test_pid_namespace.py): the same call gives the same observation in the source, its clones
+    and after a rollback to the snapshot they were made from."""
+    env.reset(options={"task": "shell/make-dir"})
+    for _ in range(5):
+        env.step("true")
+    snap = env.snapshot()
+    a, b = env.clone(2)
+    try:
+        outputs = [e.step("echo $$")[0]["output"] for e in (env, a, b)]
+        assert outputs[0] == outputs[1] == outputs[2], outputs
+        env.rollback(snap)
+        assert env.step("echo $$")[0]["output"] == outputs[0]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_snapshot_and_rollback_restore_files_and_episode_state(env):
     env.reset(options={"task": "shell/sum-numbers"})
     env.step("echo 1 > sum.txt")
