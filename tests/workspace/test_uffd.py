@@ -22,6 +22,7 @@ import pytest
 
 from bunshin_gym.config import paths
 from bunshin_gym.workspace import AgentError, Workspace, WorkspaceClosed, memory, memstat, records, uffd
+from bunshin_gym.workspace.snapshots import delta as snapshot_delta
 
 HERE = Path(__file__).parent / "uffd_programs"
 DIR = "/opt/uffdtest"
@@ -460,8 +461,13 @@ def test_chromium_in_a_desktop_clone_survives_five_minutes_of_activity():
         # the soaked clone's snapshot is a delta of the first, and a grandchild's browser answers
         delta = clone.snapshot()
         try:
-            print(f"delta snapshot {delta.size() >> 20} MiB of {snap.size() >> 20} MiB")
-            assert (delta.criu_dir / "parent").exists() and delta.size() < snap.size()
+            # five minutes of allocation in several tabs rewrite most of the heap and grow it: the
+            # delta's size is near the first snapshot's, above it in some runs (356 and 412 MiB of
+            # 378 on 2026-12-05, same code); what makes it a delta is pages left in the parent
+            in_parent = sum(n for pm in delta.criu_dir.glob("pagemap-*.img") if pm.stem.split("-", 1)[1].isdigit()
+                            for _, n, flags in snapshot_delta.read_pagemap(pm)[2] if flags & snapshot_delta.PE_PARENT)
+            print(f"delta snapshot {delta.size() >> 20} MiB of {snap.size() >> 20} MiB, {in_parent} pages in parent")
+            assert (delta.criu_dir / "parent").exists() and in_parent > 0
             (grandchild,) = delta.fork(1)
             try:
                 assert cdp(grandchild, "/json/new?" + urllib.parse.quote(page, safe=""), "PUT")
