@@ -103,3 +103,40 @@ def test_iptables_binaries_that_are_not_installed_are_not_run(verbose_dumps):
             assert f"{binary} is not on PATH" not in log
         else:
             assert f"{binary} is not on PATH" in log and f"{binary} -V failed" not in log
+
+
+#: each ``ip ... save`` stream of a dump and the image it goes to (criu/patches/0028 runs them at once)
+IP_SAVES = {"ifaddr": ["addr", "save"], "route": ["route", "save"], "route6": ["-6", "route", "save"],
+            "rule": ["rule", "save"]}
+
+
+def _messages(stream: bytes) -> list[bytes]:
+    """A saved stream's netlink messages without their headers' flags, sequence and port
+    numbers (the dump's, not the state's), after iproute2's 4-byte magic."""
+    out, off = [stream[:4]], 4
+    while off < len(stream):
+        length = int.from_bytes(stream[off:off + 4], "little")
+        assert length >= 16, f"a message of {length} bytes at {off}"
+        out.append(stream[off:off + 6] + stream[off + 16:off + length])  # length, type; body
+        off += length
+    return out
+
+
+def test_each_network_save_goes_to_its_own_image():
+    ws = Workspace.create("base")
+    snap = None
+    try:
+        for change in ("addr add 10.7.0.1/32 dev lo", "route add 10.8.0.0/24 dev lo",
+                       "-6 route add fd00:8::/64 dev lo", "rule add from 10.9.0.0/24 lookup 100 priority 1000"):
+            subprocess.run(["nsenter", f"--net=/proc/{ws.pid}/ns/net", "ip", *change.split()], check=True)
+        now = {name: subprocess.run(["nsenter", f"--net=/proc/{ws.pid}/ns/net", "ip", *args],
+                                    capture_output=True, check=True).stdout for name, args in IP_SAVES.items()}
+        snap = ws.snapshot()
+        for name, stream in now.items():
+            (image,) = snap.criu_dir.glob(f"{name}-*.img")
+            assert _messages(image.read_bytes()) == _messages(stream), name
+            assert len(_messages(stream)) > 1, f"{name}: the test's change is not in the stream"
+    finally:
+        ws.close()
+        if snap is not None:
+            snap.delete()
