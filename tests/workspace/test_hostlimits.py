@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from fork_programs import host
 
 from bunshin_gym.workspace import Workspace, hostlimits
 
@@ -64,8 +65,6 @@ def test_a_workspace_and_its_clone_have_tcp_tables_of_their_own():
             entries = int(w.exec("cat /proc/sys/net/ipv4/tcp_ehash_entries", check=True).text)
             assert entries > 0, f"{w.id} shares the host's TCP table ({entries})"
     finally:
-        for c in clones:
-            c.close()
+        host.close_all(clones, ws)
         if snap is not None:
             snap.delete()
-        ws.close()

@@ -20,8 +20,10 @@ import dataclasses
 import pathlib
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 import pytest
+from fork_programs import host
 
 from bunshin_gym.workspace import Workspace, fanout
 
@@ -65,43 +67,43 @@ def _ip_runs(log: pathlib.Path) -> list[str]:
             if "Running ip " in ln]
 
 
-def test_a_clone_of_a_workspace_with_only_lo_runs_ip_once(restore_logs):
+@pytest.fixture
+def source() -> Iterator[tuple[Workspace, list]]:
+    """A base workspace, and a list for its snapshot and clones (closed and deleted after)."""
     ws = Workspace.create("base")
-    clones, snap = [], None
+    made: list = []
     try:
-        snap = ws.snapshot()
-        clones = snap.fork(1)
-        assert _network(clones[0]) == _network(ws)
-        (log,) = restore_logs
-        assert _ip_runs(log) == ["addr restore"]
-        text = log.read_text(errors="replace")
-        assert text.count("No route to restore") == 2  # IPv4 and IPv6
-        assert "The saved rules are the namespace's own already" in text
+        yield ws, made
     finally:
-        for c in clones:
-            c.close()
-        ws.close()
-        if snap is not None:
+        host.close_all([m for m in made if isinstance(m, Workspace)], ws)
+        for snap in (m for m in made if not isinstance(m, Workspace)):
             snap.delete()
 
 
-def test_a_clone_gets_the_addresses_routes_and_rules_its_source_was_given(restore_logs):
-    ws = Workspace.create("base")
-    clones, snap = [], None
-    try:
-        for change in CHANGES:
-            _ip(ws.pid, change)
-        before = _network(ws)
-        assert "10.8.0.0/24" in before["route show table all"] and "10.9.0.0/24" in before["rule"]
-        snap = ws.snapshot()
-        clones = snap.fork(1)
-        assert _network(clones[0]) == before
-        (log,) = restore_logs
-        runs = _ip_runs(log)
-        assert "route restore" in runs and "rule restore" in runs  # what differs is restored by ip
-    finally:
-        for c in clones:
-            c.close()
-        ws.close()
-        if snap is not None:
-            snap.delete()
+def _clone(ws: Workspace, made: list) -> Workspace:
+    snap = ws.snapshot()
+    made.append(snap)
+    made.extend(snap.fork(1))
+    return made[-1]
+
+
+def test_a_clone_of_a_workspace_with_only_lo_runs_ip_once(source, restore_logs):
+    ws, made = source
+    assert _network(_clone(ws, made)) == _network(ws)
+    (log,) = restore_logs
+    assert _ip_runs(log) == ["addr restore"]
+    text = log.read_text(errors="replace")
+    assert text.count("No route to restore") == 2  # IPv4 and IPv6
+    assert "The saved rules are the namespace's own already" in text
+
+
+def test_a_clone_gets_the_addresses_routes_and_rules_its_source_was_given(source, restore_logs):
+    ws, made = source
+    for change in CHANGES:
+        _ip(ws.pid, change)
+    before = _network(ws)
+    assert "10.8.0.0/24" in before["route show table all"] and "10.9.0.0/24" in before["rule"]
+    assert _network(_clone(ws, made)) == before
+    (log,) = restore_logs
+    runs = _ip_runs(log)
+    assert "route restore" in runs and "rule restore" in runs  # what differs is restored by ip
