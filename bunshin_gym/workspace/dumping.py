@@ -32,6 +32,12 @@ drop every packet but its own, and deletes it at the end. A CRIU killed in betwe
 table, and the source's connections stay blocked after it is thawed.
 :func:`remove_network_locks` deletes such tables once no CRIU runs on the workspace (the
 snapshot's failure path, and ``gc`` thawing a source an abandoned dump left).
+
+Gate: a CRIU built with criu/patches/0029 is started before the freeze (:class:`GatedDump`):
+its start-up (exec, kernel-feature cache, cpu and cgroup set-up) runs while the workspace
+does, and it waits at the gate until told the network lock method chosen frozen. (Snapshotting
+the files while CRIU worked, through a second gate before its thaw, was tried and dropped:
+CRIU's own work got slower by about what it saved, both writing to the same btrfs.)
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -250,3 +257,95 @@ def run_in_background(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, 
         os.close(r)
     out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), thawed
+
+
+#: the criu binary can wait at a dump gate if it contains this string (criu/patches/0029-*)
+GATE_MARKER = b"dump gate: closed before the"
+
+
+def gate_available(p: Paths | None = None) -> bool:
+    """The built CRIU carries the dump gate (criu/patches/0029-*)."""
+    return criu_carries(GATE_MARKER, p)
+
+
+class GatedDump:
+    """A ``criu dump`` started before its workspace is frozen (criu/patches/0029): it says
+    :meth:`ready` once its start-up is done and waits at the gate until :meth:`go`. Whatever
+    happens, :meth:`finish` reaps it; a gate closed before :meth:`go` fails the dump before
+    it touches any task. ``background``: a background dump (0020).
+
+    >>> d = GatedDump(cmd, env, (lock_fd,), background=True)   # CRIU starts up meanwhile
+    >>> d.ready(); freeze(); d.go("skip")
+    >>> proc, thawed = d.finish()
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...], *, background: bool):
+        self.cmd = cmd
+        self._gate, criu_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds, extra = [criu_end.fileno()], {"CRIU_DUMP_GATE_FD": str(criu_end.fileno())}
+        self._thawed_r = bg_w = None
+        try:
+            if background:  # CRIU writes "1" to this fd and closes it when the tasks run again
+                self._thawed_r, bg_w = os.pipe()
+                fds.append(bg_w)
+                extra.update(CRIU_BG_DUMP="1", CRIU_BG_DUMP_FD=str(bg_w))
+            self.proc = subprocess.Popen(cmd, env=dict(env, **extra), pass_fds=(*pass_fds, *fds),
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except BaseException:
+            self._close_gate()
+            if self._thawed_r is not None:
+                os.close(self._thawed_r)
+            raise
+        finally:
+            criu_end.close()
+            if bg_w is not None:
+                os.close(bg_w)
+
+    def ready(self, timeout: float = 30.0) -> bool:
+        """Wait until CRIU has started up and waits at the gate. False: it failed first (or
+        took longer than ``timeout``, and is killed); :meth:`finish` then tells how."""
+        self._gate.settimeout(timeout)
+        got = b""
+        try:
+            while not got.endswith(b"\n"):
+                chunk = self._gate.recv(16)
+                if not chunk:
+                    return False
+                got += chunk
+        except TimeoutError:
+            log.warning("criu dump did not reach its gate in %.0f s: killed", timeout)
+            self.proc.kill()
+            return False
+        except OSError:
+            return False
+        return got == b"ready\n"
+
+    def go(self, network_lock: str) -> None:
+        """The workspace is frozen: CRIU may seize it, locking the network with ``network_lock``."""
+        if self._gate is None:
+            raise RuntimeError("the dump gate is closed")
+        try:
+            self._gate.sendall(f"{network_lock}\n".encode())  # a few bytes into an empty socket
+        except OSError:  # CRIU failed before reading it: finish() reports how
+            pass
+        self._close_gate()
+
+    def finish(self) -> tuple[subprocess.CompletedProcess, float | None]:
+        """Wait for CRIU: the finished process, and the ``perf_counter()`` time at which it let a
+        background dump's tasks run (None: not a background dump, or it failed first)."""
+        self._close_gate()  # a caller that never reached go: CRIU fails at the gate
+        thawed = None
+        if self._thawed_r is not None:
+            try:
+                if os.read(self._thawed_r, 1) == b"1":
+                    thawed = time.perf_counter()
+            finally:
+                os.close(self._thawed_r)
+                self._thawed_r = None
+        out, err = self.proc.communicate()  # its log goes to a file (-o): stdout and stderr stay small
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err), thawed
+
+    def _close_gate(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None

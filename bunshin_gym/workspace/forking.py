@@ -142,8 +142,13 @@ def _make_images_dir(criu_dir: Path) -> None:
 def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str, float], env: dict,
                      delta_args: list[str], lock_fd: int) -> subprocess.CompletedProcess:
     """Freeze the workspace, snapshot its files and dump it; it is thawed whatever happens
-    (a freeze that times out or fails included)."""
+    (a freeze that times out or fails included). With a CRIU that has the dump gate, CRIU is
+    started first and does its start-up while the workspace still runs."""
     cg = Cgroup(rec.cgroup)
+    freezer = cg.dirs[0] if unified() else cg.dirs[1]
+    background = config.background_dump() and dumping.background_available(p)
+    if dumping.gate_available(p):
+        return _freeze_and_dump_gated(rec, p, path, times, env, delta_args, lock_fd, cg, freezer, background)
     t0 = time.perf_counter()
     proc = lock = thawed = None
     try:
@@ -154,36 +159,76 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
         pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
         times["files_ms"] = _ms(t)
         t = time.perf_counter()
-        freezer = cg.dirs[0] if unified() else cg.dirs[1]
-        dump_env = env
         lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
         # at the workspace's niceness, not its maker's: the workspace is frozen until CRIU has what it needs
         cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", freezer, lock, delta_args))
-        if config.background_dump() and dumping.background_available(p):  # thawed once CRIU has the
-            proc, thawed = dumping.run_in_background(cmd, dump_env, (lock_fd,))  # metadata; pages after
+        if background:  # thawed once CRIU has the metadata; pages after
+            proc, thawed = dumping.run_in_background(cmd, env, (lock_fd,))
         else:
             # CRIU holds the in-progress lock too: outliving us, it still counts
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=dump_env, pass_fds=(lock_fd,))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, pass_fds=(lock_fd,))
         times["dump_ms"] = _ms(t)
     finally:
-        if lock == "nftables" and (proc is None or proc.returncode != 0):  # a killed CRIU leaves its lock
-            dumping.remove_network_locks(rec.pid1)
-        t = time.perf_counter()
-        cg.thaw()
-        times["thaw_ms"] = _ms(t)
-        times["frozen_ms"] = _ms(t0)
-    if thawed is not None:  # the source ran while its pages were written: frozen only until then
-        times["frozen_ms"] = round((thawed - t0) * 1000, 3)
-        times["background_ms"] = _ms(thawed)
+        _after_dump(rec, cg, proc, lock, t0, thawed, times)
     return proc
 
 
-def dump_command(rec: records.Record, p: Paths, images: Path, freezer: Path, lock: str,
+def _freeze_and_dump_gated(rec: records.Record, p: Paths, path: Path, times: dict[str, float], env: dict,
+                           delta_args: list[str], lock_fd: int, cg: Cgroup, freezer: Path,
+                           background: bool) -> subprocess.CompletedProcess:
+    """:func:`_freeze_and_dump` with CRIU started before the freeze (criu/patches/0029): its
+    start-up runs while the workspace does, then it waits at its gate for the network lock
+    chosen frozen."""
+    # at the workspace's niceness, not its maker's; the lock method comes through the gate;
+    # CRIU holds the in-progress lock too: outliving us, it still counts
+    cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", freezer, None, delta_args))
+    t = time.perf_counter()
+    gate = dumping.GatedDump(cmd, env, (lock_fd,), background=background)
+    if not gate.ready():  # it failed starting up: the workspace was never frozen
+        return gate.finish()[0]
+    t0 = time.perf_counter()
+    times["start_ms"] = _ms(t)  # CRIU's start-up, before the freeze
+    proc = lock = thawed = None
+    try:
+        times["refreezes"] = _freeze_seizable(cg, rec.id)
+        dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
+        times["freeze_ms"] = _ms(t0)
+        t = time.perf_counter()
+        pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
+        times["files_ms"] = _ms(t)
+        t = time.perf_counter()
+        lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
+        gate.go(lock)
+        proc, thawed = gate.finish()
+        times["dump_ms"] = _ms(t)
+    finally:
+        if proc is None:  # failed before the go: CRIU stops at the gate, having touched nothing
+            gate.finish()
+        _after_dump(rec, cg, proc, lock, t0, thawed, times)
+    return proc
+
+
+def _after_dump(rec: records.Record, cg: Cgroup, proc: subprocess.CompletedProcess | None, lock: str | None,
+                t0: float, thawed: float | None, times: dict[str, float]) -> None:
+    """Thaw the workspace after a dump, removing a network lock a failed CRIU left."""
+    if lock == "nftables" and (proc is None or proc.returncode != 0):  # a killed CRIU leaves its lock
+        dumping.remove_network_locks(rec.pid1)
+    t = time.perf_counter()
+    cg.thaw()
+    times["thaw_ms"] = _ms(t)
+    times["frozen_ms"] = _ms(t0)
+    if thawed is not None:  # the source ran while its pages were written: frozen only until then
+        times["frozen_ms"] = round((thawed - t0) * 1000, 3)
+        times["background_ms"] = _ms(thawed)
+
+
+def dump_command(rec: records.Record, p: Paths, images: Path, freezer: Path, lock: str | None,
                  delta_args: list[str] | None = None) -> list[str]:
-    """``criu dump`` of a workspace frozen through ``freezer`` into ``images``."""
+    """``criu dump`` of a workspace frozen through ``freezer`` into ``images``; ``lock``: the
+    network lock method (None: given at the dump gate, :class:`dumping.GatedDump`)."""
     return [str(p.criu), "dump", "-t", str(rec.pid1), "-D", str(images), *DUMP_FLAGS, *(delta_args or []),
             *(_device_mounts(dump=True) if rec.userns_base is not None else []),
-            "--network-lock", lock,
+            *(["--network-lock", lock] if lock else []),
             "--freeze-cgroup", str(freezer), "-o", "dump.log", f"-v{dump_verbosity()}"]
 
 

@@ -117,6 +117,22 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def _past_gate(criu: int) -> bool:
+    """Whether a dumping CRIU is at work: told to go at its gate (criu/patches/0029), so the
+    workspace is frozen and CRIU seizes it. Before that it only starts up, touching nothing."""
+    if not dumping.gate_available():
+        return True
+    try:
+        return "dump gate: go" in (Path(_criu_arg(criu, "-D")) / "dump.log").read_text()
+    except (OSError, ValueError):  # not yet logging, or gone
+        return False
+
+
+def _dumping(ws: Workspace) -> list[int]:
+    """The CRIU dumping ``ws`` once it is past its gate (empty until then)."""
+    return [pid for pid in _criu("dump", str(ws.pid)) if _past_gate(pid)]
+
+
 def _wait_for(what, timeout: float = 60.0, step: float = 0.001):
     deadline = time.monotonic() + timeout
     while not (got := what()):
@@ -202,7 +218,7 @@ def test_gc_spares_a_running_dump_and_thaws_the_source_a_killed_controller_left_
             from bunshin_gym.workspace import Workspace
             Workspace.attach({ws.id!r}).snapshot()
         """)
-        (criu,) = _wait_for(lambda: _criu("dump", str(ws.pid)))
+        (criu,) = _wait_for(lambda: _dumping(ws))
         os.kill(criu, signal.SIGSTOP)  # hold CRIU mid-dump (a slow dump, deterministically)
         ctl.kill()
         ctl.wait()
@@ -253,7 +269,7 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
 
     t = threading.Thread(target=take)
     t.start()
-    (criu,) = _wait_for(lambda: _criu("dump", str(ws.pid)))
+    (criu,) = _wait_for(lambda: _dumping(ws))
     time.sleep(delay)
     os.kill(criu, signal.SIGKILL)
     # a first try that failed by itself to seize a task (a loaded host) is tried again, and
