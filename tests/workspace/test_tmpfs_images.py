@@ -8,10 +8,17 @@ per tmpfs instead of two (~3.7 ms to ~1.4 ms each for a small one).
 from __future__ import annotations
 
 import gzip
+import os
+import re
+import shutil
+import subprocess
 import tarfile
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from bunshin_gym.errors import ForkError
 from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.snapshots import store
 
@@ -83,3 +90,45 @@ def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source, snapshot):
     store.Store(snap._p).reseal(snap)
     assert list(snap.criu_dir.glob("tmpfs-dev-*.tar.gz.img")) and not list(snap.criu_dir.glob("tmpfs-dev-*.tar.img"))
     _clones_show(snap, want)
+
+
+def test_the_tmpfs_tars_run_at_once(source, snapshot):
+    """criu/patches/0030: every tmpfs mount's tar is started before any is reaped (they ran one
+    after the other, a fork and an exec each, while the workspace was frozen)."""
+    snap = snapshot()
+    lines = (snap.criu_dir / "dump.log").read_text().splitlines()
+    started = [i for i, line in enumerate(lines) if ": tar " in line and line.endswith("with the other mounts' ones)")]
+    done = [i for i, line in enumerate(lines) if ": tar " in line and line.endswith(" done")]
+    tars = list(snap.criu_dir.glob("tmpfs-dev-*.tar.img"))
+    assert len(started) == len(done) == len(tars) >= 3, (len(started), len(done), len(tars))
+    assert max(started) < min(done)
+    _clones_show(snap, source.exec(["sh", "-c", LOOK]).text)
+
+
+@pytest.fixture
+def fake_bin():
+    """A directory for programs CRIU's helpers run: readable by the workspace's root, which tar
+    runs as (in the workspace's user namespace; pytest's tmp_path is private to the host's)."""
+    d = Path(tempfile.mkdtemp(prefix="bunshin-fake-bin-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def test_a_failed_tmpfs_tar_fails_the_snapshot_and_the_source_runs_on(source, fake_bin, monkeypatch):
+    """A tar that fails (here one that exits 2 once it has read its stdin, as on a full disk)
+    fails the dump after the others are reaped: no snapshot, the source as it was."""
+    fake = fake_bin / "tar"
+    fake.write_text("#!/bin/sh\ncat > /dev/null\nexit 2\n")
+    fake.chmod(0o755)
+    want = source.exec(["sh", "-c", LOOK]).text
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")  # CRIU's PATH is ours
+    with pytest.raises(ForkError, match="CRIU dump") as failed:
+        source.snapshot()
+    monkeypatch.undo()
+    log = Path(re.search(r"log: (\S+)", str(failed.value)).group(1)).read_text()
+    assert "Can't dump tmpfs content" in log, log[-2000:]
+    assert source.exec(["sh", "-c", LOOK]).text == want
+    assert not source.cgroup.is_frozen()
+    left = subprocess.run(["pgrep", "-f", "tar --create --no-unquote"], capture_output=True, text=True)
+    assert left.returncode == 1, f"a tar was left running: {left.stdout}"
