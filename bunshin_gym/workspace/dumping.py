@@ -248,15 +248,19 @@ def run_in_background(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, 
         raise
     finally:
         os.close(w)
-    thawed = None
-    try:
-        # its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer meanwhile
-        if os.read(r, 1) == b"1":
-            thawed = time.perf_counter()
-    finally:
-        os.close(r)
+    # its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer meanwhile
+    thawed = _read_thawed(r)
     out, err = proc.communicate()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), thawed
+
+
+def _read_thawed(fd: int) -> float | None:
+    """Wait on a background dump's ``CRIU_BG_DUMP_FD`` pipe (and close it): the
+    ``perf_counter()`` time at which CRIU said the tasks run again, None if it never did."""
+    try:
+        return time.perf_counter() if os.read(fd, 1) == b"1" else None
+    finally:
+        os.close(fd)
 
 
 #: the criu binary can wait at a dump gate if it contains this string (criu/patches/0029-*)
@@ -336,12 +340,8 @@ class GatedDump:
         self._close_gate()  # a caller that never reached go: CRIU fails at the gate
         thawed = None
         if self._thawed_r is not None:
-            try:
-                if os.read(self._thawed_r, 1) == b"1":
-                    thawed = time.perf_counter()
-            finally:
-                os.close(self._thawed_r)
-                self._thawed_r = None
+            fd, self._thawed_r = self._thawed_r, None
+            thawed = _read_thawed(fd)
         out, err = self.proc.communicate()  # its log goes to a file (-o): stdout and stderr stay small
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err), thawed
 
