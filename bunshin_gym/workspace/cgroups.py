@@ -188,7 +188,9 @@ class Cgroup:
         return sorted(found)
 
     # freezer -------------------------------------------------------------------------
-    def _freezer(self) -> Path:
+    def freezer_dir(self) -> Path:
+        """The directory whose freezer this cgroup's freeze and thaw use (what ``criu dump
+        --freeze-cgroup`` is given)."""
         return self.dirs[0] if unified() else self.dirs[1]
 
     def freeze(self, timeout: float = 10.0) -> None:
@@ -198,13 +200,13 @@ class Cgroup:
         self._set_frozen(False, timeout)
 
     def is_frozen(self) -> bool:
-        d = self._freezer()
+        d = self.freezer_dir()
         if unified():
             return "frozen 1" in (d / "cgroup.events").read_text()
         return (d / "freezer.state").read_text().strip() == "FROZEN"
 
     def _set_frozen(self, frozen: bool, timeout: float) -> None:
-        d = self._freezer()
+        d = self.freezer_dir()
         if unified():
             (d / "cgroup.freeze").write_text("1" if frozen else "0")
             done = lambda: f"frozen {int(frozen)}" in (d / "cgroup.events").read_text()  # noqa: E731

@@ -32,7 +32,7 @@ from pathlib import Path
 from bunshin_gym import config
 from bunshin_gym.config import Limits, Paths, criu_env
 from bunshin_gym.workspace import dumping, fanout, hostlimits, idmap, memory, pool, records
-from bunshin_gym.workspace.cgroups import Cgroup, unified
+from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.client import AgentClient
 from bunshin_gym.workspace.errors import ForkError, SnapshotError
 from bunshin_gym.workspace.snapshots import delta, flatten, integrity, lineage, store, views
@@ -145,23 +145,16 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
     (a freeze that times out or fails included). With a CRIU that has the dump gate, CRIU is
     started first and does its start-up while the workspace still runs."""
     cg = Cgroup(rec.cgroup)
-    freezer = cg.dirs[0] if unified() else cg.dirs[1]
     background = config.background_dump() and dumping.background_available(p)
     if dumping.gate_available(p):
-        return _freeze_and_dump_gated(rec, p, path, times, env, delta_args, lock_fd, cg, freezer, background)
+        return _freeze_and_dump_gated(rec, p, path, times, env, delta_args, lock_fd, cg, background)
     t0 = time.perf_counter()
     proc = lock = thawed = None
     try:
-        times["refreezes"] = _freeze_seizable(cg, rec.id)
-        dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
-        times["freeze_ms"] = _ms(t0)
+        lock = _freeze_and_snapshot_files(rec, cg, path, times, t0)
         t = time.perf_counter()
-        pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
-        times["files_ms"] = _ms(t)
-        t = time.perf_counter()
-        lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
         # at the workspace's niceness, not its maker's: the workspace is frozen until CRIU has what it needs
-        cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", freezer, lock, delta_args))
+        cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", cg.freezer_dir(), lock, delta_args))
         if background:  # thawed once CRIU has the metadata; pages after
             proc, thawed = dumping.run_in_background(cmd, env, (lock_fd,))
         else:
@@ -174,14 +167,14 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
 
 
 def _freeze_and_dump_gated(rec: records.Record, p: Paths, path: Path, times: dict[str, float], env: dict,
-                           delta_args: list[str], lock_fd: int, cg: Cgroup, freezer: Path,
+                           delta_args: list[str], lock_fd: int, cg: Cgroup,
                            background: bool) -> subprocess.CompletedProcess:
     """:func:`_freeze_and_dump` with CRIU started before the freeze (criu/patches/0029): its
     start-up runs while the workspace does, then it waits at its gate for the network lock
     chosen frozen."""
     # at the workspace's niceness, not its maker's; the lock method comes through the gate;
     # CRIU holds the in-progress lock too: outliving us, it still counts
-    cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", freezer, None, delta_args))
+    cmd = config.at_workspace_nice(dump_command(rec, p, path / "criu", cg.freezer_dir(), None, delta_args))
     t = time.perf_counter()
     gate = dumping.GatedDump(cmd, env, (lock_fd,), background=background)
     if not gate.ready():  # it failed starting up: the workspace was never frozen
@@ -190,14 +183,8 @@ def _freeze_and_dump_gated(rec: records.Record, p: Paths, path: Path, times: dic
     times["start_ms"] = _ms(t)  # CRIU's start-up, before the freeze
     proc = lock = thawed = None
     try:
-        times["refreezes"] = _freeze_seizable(cg, rec.id)
-        dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
-        times["freeze_ms"] = _ms(t0)
+        lock = _freeze_and_snapshot_files(rec, cg, path, times, t0)
         t = time.perf_counter()
-        pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
-        times["files_ms"] = _ms(t)
-        t = time.perf_counter()
-        lock = network_lock(rec.pid1)  # read frozen: no connection comes or goes meanwhile
         gate.go(lock)
         proc, thawed = gate.finish()
         times["dump_ms"] = _ms(t)
@@ -206,6 +193,20 @@ def _freeze_and_dump_gated(rec: records.Record, p: Paths, path: Path, times: dic
             gate.finish()
         _after_dump(rec, cg, proc, lock, t0, thawed, times)
     return proc
+
+
+def _freeze_and_snapshot_files(rec: records.Record, cg: Cgroup, path: Path, times: dict[str, float],
+                               t0: float) -> str:
+    """The frozen steps before CRIU's own: freeze where CRIU can seize every task, fault in the
+    pages its parasite pokes, snapshot the files; returns the network lock method to dump with,
+    read frozen (no connection comes or goes meanwhile)."""
+    times["refreezes"] = _freeze_seizable(cg, rec.id)
+    dumping.fault_in_parasite_pages(cg.pids())  # ptrace can't fault in a dropped uffd page there
+    times["freeze_ms"] = _ms(t0)
+    t = time.perf_counter()
+    pool.snapshot_subvolume(Path(rec.subvolume), path / "fs", readonly=True)
+    times["files_ms"] = _ms(t)
+    return network_lock(rec.pid1)
 
 
 def _after_dump(rec: records.Record, cg: Cgroup, proc: subprocess.CompletedProcess | None, lock: str | None,

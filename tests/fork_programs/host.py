@@ -115,7 +115,7 @@ def frozen(ws: Workspace) -> bool:
     """Whether the workspace's cgroup freezer reports it frozen (v1 or v2)."""
     from bunshin_gym.workspace.cgroups import unified
 
-    d = ws.cgroup.dirs[0] if unified() else ws.cgroup.dirs[1]
+    d = ws.cgroup.freezer_dir()
     if unified():
         return "frozen 1" in (d / "cgroup.events").read_text()
     return (d / "freezer.state").read_text().strip() != "THAWED"

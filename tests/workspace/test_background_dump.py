@@ -25,7 +25,6 @@ from fork_programs import host
 from bunshin_gym import config
 from bunshin_gym.config import criu_env
 from bunshin_gym.workspace import Workspace, dumping, forking, memory
-from bunshin_gym.workspace.cgroups import unified
 from bunshin_gym.workspace.snapshots import delta
 from bunshin_gym.workspace.snapshots.criu_images import load_image
 
@@ -94,7 +93,7 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path):
         time.sleep(0.3)  # writing, dropping, moving and forking by now
         rec = ws._rec
         cg = ws.cgroup
-        freezer = cg.dirs[0] if unified() else cg.dirs[1]
+        freezer = cg.freezer_dir()
         env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p))
         ref, bg = tmp_path / "stop-the-world", tmp_path / "background"
         ref.mkdir()

@@ -18,7 +18,7 @@ import pytest
 from bunshin_gym.config import criu_env, paths
 from bunshin_gym.errors import ForkError
 from bunshin_gym.workspace import dumping, forking
-from bunshin_gym.workspace.cgroups import Cgroup, unified
+from bunshin_gym.workspace.cgroups import Cgroup
 from bunshin_gym.workspace.snapshots.criu_images import load_image
 
 pytestmark = pytest.mark.skipif(not dumping.gate_available(),
@@ -50,7 +50,7 @@ def _gated(ws, tmp_path):
     """A gated ``criu dump`` of ``ws`` into ``tmp_path`` (started, not yet told to go)."""
     p, rec = paths(), ws._rec
     cg = Cgroup(rec.cgroup)
-    freezer = cg.dirs[0] if unified() else cg.dirs[1]
+    freezer = cg.freezer_dir()
     images = tmp_path / "images"
     images.mkdir()
     ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
