@@ -539,7 +539,7 @@ def test_fast_walker_equals_the_old_walker_on_a_stand_in_app():
         "/org/a11y/atspi/accessible/root", float("inf"))], max_nodes=10000)
     assert again == old_xml
     assert app.made - made == 2 + 1  # the two corner cells (asked by point) and the retired one
-    # one retired between its state check and the questions that follow: asked for anew
+    # one retired between its liveness check and the questions that follow: asked for anew
     app.objs[list(kept.values())[1]].mute = True
     made = app.made
     third = a11y.build_xml([a11y.FastWalker(TABLES, StandInPipe(app), kept).fetch(

@@ -900,7 +900,7 @@ class FastWalker:
         grid = [(r, c) for r in range(r0, min(r1, r0 + 60) + 1) for c in range(c0, min(c1, c0 + 26) + 1)]
         cells = self._cell_paths(p, grid)
         read = self._read_cells([path for _, _, path, _ in cells])
-        # a kept object that does not answer was retired between its state check and now:
+        # a kept object that does not answer was retired between its liveness check (its index) and now:
         # that cell is asked for anew, as the old walker would have
         again = [i for i, (_, _, _, kept) in enumerate(cells) if kept and read[i] is _RETIRED]
         fresh = run([(p, IFACE_TABLE, "GetAccessibleAt", "ii", cells[i][1]) for i in again])
