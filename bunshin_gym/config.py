@@ -15,9 +15,11 @@ the records of live workspaces, which vanish with a reboot as the workspaces do.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,29 @@ def get(name: str, default: str | None = None) -> str:
     except KeyError:
         raise KeyError(f"{name} is not a listed variable: add it to bunshin_gym/variables.toml") from None
     return os.environ.get(name, var.default if default is None else default)
+
+
+@contextlib.contextmanager
+def overridden(values: dict[str, str | None]) -> Iterator[None]:
+    """Listed variables set (None: unset) for the ``with`` block, their old values back after
+    it: values are read when used, so what the block does sees these (a benchmark putting two
+    settings side by side in one process)."""
+    for name in values:
+        get(name)  # a KeyError for an unlisted name
+    old = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def colon_dirs(name: str) -> list[str]:

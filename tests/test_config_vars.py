@@ -4,6 +4,7 @@ documented in docs/configuration.md (generated from that list). Units: no worksp
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -134,7 +135,7 @@ def test_an_unlisted_name_is_refused():
 def test_the_readers_follow_the_environment(monkeypatch):
     for v in config.VARIABLES:
         monkeypatch.delenv(v.name, raising=False)
-    assert config.max_snapshot_depth() == 8 and config.dump_tries() == 4 and config.criu_dump_verbosity() == 3
+    assert config.max_snapshot_depth() == 8 and config.dump_tries() == 4 and config.criu_dump_verbosity() == 2
     assert not config.share_ksm() and not config.share_anon_forced_ksm() and config.uffd_delta()
     assert not config.kmod_double_copy() and config.colon_dirs("BUNSHIN_RECIPES") == []
     assert config.userns_base() == 1000000
@@ -157,3 +158,18 @@ def test_the_readers_follow_the_environment(monkeypatch):
     assert config.userns_base() is None and config.Limits.from_env().pids == 0
     p = config.paths()
     assert (p.pool_file, p.pool, p.criu_prefix) == (Path("/srv/b/pool.img"), Path("/srv/b/pool"), Path("/srv/b/criu"))
+
+
+def test_overridden_sets_listed_variables_for_a_block_and_puts_them_back(monkeypatch):
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "4")
+    monkeypatch.delenv("BUNSHIN_BACKGROUND_DUMP", raising=False)
+    with config.overridden({"BUNSHIN_CRIU_DUMP_VERBOSITY": None, "BUNSHIN_BACKGROUND_DUMP": "1"}):
+        assert config.criu_dump_verbosity() == 2  # unset: the listed default
+        assert config.get("BUNSHIN_BACKGROUND_DUMP") == "1"
+    assert config.criu_dump_verbosity() == 4 and "BUNSHIN_BACKGROUND_DUMP" not in os.environ
+    with pytest.raises(KeyError, match="not a listed variable"), config.overridden({"BUNSHIN_NO_SUCH": "1"}):
+        pass
+    with pytest.raises(RuntimeError), config.overridden({"BUNSHIN_CRIU_DUMP_VERBOSITY": "3"}):
+        assert config.criu_dump_verbosity() == 3
+        raise RuntimeError("the block failed")
+    assert config.criu_dump_verbosity() == 4

@@ -1,6 +1,7 @@
 """Frozen time of a snapshot, stop-the-world vs background dump, side by side in one run.
 
     python -m bunshin_gym.bench.bgdump [--image base|osworld] [--heap-mb 300] [--rounds 5] [--json PATH]
+                                       [--log-levels 3,4]
 
 The source is ``bench fork``'s (a 300 MB heap in three processes, or the desktop). Each round
 takes one snapshot the old way (``BUNSHIN_BACKGROUND_DUMP`` unset: every page written while
@@ -10,19 +11,23 @@ source is a full one (the source was not restored from a snapshot). After the ro
 share clone is forked from the last background snapshot and must answer, so the background
 snapshot is shown to restore. The host's load (``uptime``) is printed with the figures: they are
 noisy on a shared host.
+
+``--log-levels``: background snapshots are also taken with CRIU logging at these levels
+(``BUNSHIN_CRIU_DUMP_VERBOSITY``), in turn with the others, to show what CRIU's log costs while
+the workspace is frozen: every line is formatted and written then (17,000 lines at level 3
+for a desktop).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from bunshin_gym.bench.fork import make_source
-from bunshin_gym.config import background_dump
+from bunshin_gym.config import background_dump, criu_dump_verbosity, overridden
 from bunshin_gym.workspace.dumping import BACKGROUND_DUMP_ENV as ENV
 from bunshin_gym.workspace.errors import ForkError
 
@@ -31,10 +36,15 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _snapshot(ws, background: bool) -> tuple[dict, object]:
-    old = os.environ.get(ENV)
-    os.environ[ENV] = "1" if background else "0"
-    try:
+#: the variable ``--log-levels`` sets for a snapshot
+LOG_LEVEL_ENV = "BUNSHIN_CRIU_DUMP_VERBOSITY"
+
+
+def _snapshot(ws, background: bool, log_level: int | None = None) -> tuple[dict, object]:
+    settings = {ENV: "1" if background else "0"}
+    if log_level is not None:
+        settings[LOG_LEVEL_ENV] = str(log_level)
+    with overridden(settings):
         assert background_dump() == background
         for attempt in range(3):
             t = time.perf_counter()
@@ -47,11 +57,6 @@ def _snapshot(ws, background: bool) -> tuple[dict, object]:
                 print(f"  snapshot failed, again in 2 s: {e}")
                 time.sleep(2)
         total = round((time.perf_counter() - t) * 1000, 1)
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
     timings = snap.metadata.timings
     row = {k: timings.get(k) for k in ("frozen_ms", "dump_ms", "background_ms", "files_ms", "freeze_ms")}
     row["snapshot_ms"] = total
@@ -59,18 +64,24 @@ def _snapshot(ws, background: bool) -> tuple[dict, object]:
     return row, snap
 
 
-def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str | None = None) -> dict:
+def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str | None = None,
+        log_levels: tuple[int, ...] = ()) -> dict:
     procs = 3 if image == "base" else 0
-    print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; load {_load()}")
+    level = criu_dump_verbosity()
+    print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; CRIU log level "
+          f"{level}{''.join(f', and {n}' for n in log_levels)}; load {_load()}")
     ws = make_source(image, heap_mb, procs)
-    rows: dict[str, list[dict]] = {"stop-the-world": [], "background": []}
+    #: name -> (background, CRIU log level or None: the configured one)
+    sides = {"stop-the-world": (False, None), "background": (True, None),
+             **{f"background, log level {n}": (True, n) for n in log_levels}}
+    rows: dict[str, list[dict]] = {name: [] for name in sides}
     snaps = []
     try:
         for i in range(rounds):
-            for background in ((False, True) if i % 2 == 0 else (True, False)):
-                row, snap = _snapshot(ws, background)
-                rows["background" if background else "stop-the-world"].append(row)
-                print(f"  round {i + 1} {'background    ' if background else 'stop-the-world'}: frozen "
+            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                row, snap = _snapshot(ws, *sides[name])
+                rows[name].append(row)
+                print(f"  round {i + 1} {name:<14}: frozen "
                       f"{row['frozen_ms']:8.1f} ms, whole snapshot {row['snapshot_ms']:8.1f} ms, "
                       f"{row['bytes'] / 2**20:7.1f} MiB")
                 snaps.append(snap)
@@ -90,6 +101,7 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         for s in snaps:
             s.delete()
     res: dict = {"image": image, "heap_mb": heap_mb if procs else 0, "rounds": rounds, "load_end": _load(),
+                 "criu_log_level": level,
                  "clone_of_background_snapshot_answers": alive, "runs": rows, "median": {}}
     for name, rs in rows.items():
         res["median"][name] = {k: statistics.median(r[k] for r in rs if r[k] is not None)
@@ -98,6 +110,9 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
           f"{res['median']['background']['frozen_ms']:.1f} ms; whole snapshot "
           f"{res['median']['stop-the-world']['snapshot_ms']:.1f} vs {res['median']['background']['snapshot_ms']:.1f} "
           f"ms; a share clone of the background snapshot answers: {alive}; load {res['load_end']}")
+    for n in log_levels:
+        print(f"median frozen, background at CRIU log level {n}: "
+              f"{res['median'][f'background, log level {n}']['frozen_ms']:.1f} ms")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -109,8 +124,18 @@ def main() -> None:
     ap.add_argument("--heap-mb", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--log-levels", default="", help="CRIU log levels to take background snapshots at too")
     a = ap.parse_args()
-    run(a.image, a.heap_mb, a.rounds, a.json)
+    run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels))
+
+
+def parse_levels(text: str | None) -> tuple[int, ...]:
+    """``--log-levels``: "3,4" -> (3, 4); CRIU's levels are 0-4."""
+    levels = tuple(int(x) for x in (text or "").split(",") if x.strip())
+    bad = [n for n in levels if not 0 <= n <= 4]
+    if bad:
+        raise ValueError(f"CRIU log levels are 0-4, not {bad}")
+    return levels
 
 
 if __name__ == "__main__":

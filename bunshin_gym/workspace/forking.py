@@ -626,8 +626,10 @@ def network_lock(pid1: int) -> str:
 
 
 def dump_verbosity() -> int:
-    """CRIU's log level for dumps, ``BUNSHIN_CRIU_DUMP_VERBOSITY`` (default 3, info). The dump
-    runs while the workspace is frozen: debug logging (4) costs about 30 ms of frozen time."""
+    """CRIU's log level for dumps, ``BUNSHIN_CRIU_DUMP_VERBOSITY`` (default 2: errors and
+    warnings, CRIU's own default). The dump runs while the workspace is frozen, and CRIU formats
+    and writes each line then: info lines (3) cost a desktop ~17,000 lines and ~80 ms of frozen
+    time (312 -> 230 ms, a 300 MB heap 63 -> 56 ms, alternated on one host), debug lines (4) more."""
     return config.criu_dump_verbosity()
 
 

@@ -79,7 +79,8 @@ def _runtime_ns(pid: int) -> int:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 
-def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path):
+def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypatch):
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the info lines checked below
     p = config.paths()
     ws = Workspace.create("base")
     try:

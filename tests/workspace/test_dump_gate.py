@@ -31,7 +31,12 @@ COUNTER = "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done"
 
 
 def _count(ws) -> int:
-    return int(ws.exec("cat /tmp/count").text.strip())
+    for _ in range(50):  # the counter truncates the file, then writes it: a read may fall between
+        text = ws.exec("cat /tmp/count").text.strip()
+        if text:
+            return int(text)
+        time.sleep(0.01)
+    raise AssertionError("the counter's file stayed empty")
 
 
 def _lasting(ws) -> list[int]:
@@ -58,7 +63,9 @@ def _gated(ws, tmp_path):
     return dumping.GatedDump(cmd, dict(criu_env(p)), (), background=False), cg, images
 
 
-def test_criu_starts_up_while_the_workspace_runs_and_a_gate_closed_before_the_go_dumps_nothing(fresh_ws, tmp_path):
+def test_criu_starts_up_while_the_workspace_runs_and_a_gate_closed_before_the_go_dumps_nothing(fresh_ws, tmp_path,
+                                                                                            monkeypatch):
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # "Seized task", below, is an info line
     ws = fresh_ws
     ws.spawn(["sh", "-c", COUNTER])
     time.sleep(0.3)

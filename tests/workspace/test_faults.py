@@ -38,6 +38,13 @@ HOLD = "import os, sys, time\nb = bytearray(os.urandom(1 << 20)) * {mb}\nopen('/
 
 
 # helpers -------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _criu_info_lines(monkeypatch):
+    """Several faults are timed by CRIU's info lines ("dump gate: go", "Lock network", "Dumping
+    task"), which it logs from level 3 (dumps log at level 2 by default)."""
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")
+
+
 def _snap_dirs() -> set[str]:
     return set(os.listdir(paths().snapshots))
 

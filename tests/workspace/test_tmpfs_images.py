@@ -92,9 +92,10 @@ def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source, snapshot):
     _clones_show(snap, want)
 
 
-def test_the_tmpfs_tars_run_at_once(source, snapshot):
+def test_the_tmpfs_tars_run_at_once(source, snapshot, monkeypatch):
     """criu/patches/0030: every tmpfs mount's tar is started before any is reaped (they ran one
     after the other, a fork and an exec each, while the workspace was frozen)."""
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the tars' info lines
     snap = snapshot()
     lines = (snap.criu_dir / "dump.log").read_text().splitlines()
     started = [i for i, line in enumerate(lines) if ": tar " in line and line.endswith("with the other mounts' ones)")]
