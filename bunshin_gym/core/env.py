@@ -222,6 +222,8 @@ class WorkspaceEnv(gym.Env):
         self.steps = 0
         self.done = False
         self._closed = False
+        #: its workspace is being killed on purpose (:meth:`abandon`)
+        self._abandoned = False
         self._lock = threading.RLock()
         #: wall-clock seconds of the last step: ``step_s`` (all of it) and what the family
         #: records (``command_s``, ``action_s``, ``tree_s``). Kept out of the step's info, which must be
@@ -404,10 +406,18 @@ class WorkspaceEnv(gym.Env):
         if check is not None:
             check()
 
+    def abandon(self) -> None:
+        """Its workspace is about to be killed on purpose (a cancelled speculation kills its
+        fork's processes): a step that fails because of it ends as any failed step does, but is
+        logged at debug level, not warned about as a failure. Not locked: it is called while a
+        step runs."""
+        self._abandoned = True
+
     def _workspace_failed(self, error: Exception, info: dict, t0: float):
         """The end of an episode whose workspace failed mid-step."""
         message = printable(f"the workspace failed: {error}")
-        log.warning("%s: task %s: %s", type(self).__name__, self.task.id if self.task else None, message)
+        log.log(logging.DEBUG if self._abandoned else logging.WARNING, "%s: task %s: %s", type(self).__name__,
+                self.task.id if self.task else None, message)
         self.steps += 1
         self.done = True
         info.update(error=message, workspace_failed=True, success=False)
