@@ -33,6 +33,7 @@ from typing import Any
 import gymnasium as gym
 
 from bunshin_gym.bench.report import table, write
+from bunshin_gym.config import overridden
 from bunshin_gym.core import fork_pending
 from bunshin_gym.rollout.runmemory import workspace_memory
 from bunshin_gym.workspace.memory import SHARE_KSM_ENV
@@ -182,8 +183,8 @@ def _pct(xs: list[float], q: float) -> float:
 # one mode --------------------------------------------------------------------------------------
 def run_mode(label: str, cfg: DensityConfig) -> dict:
     mode = "share" if label == "share+ksm" else label
-    if label == "share+ksm":
-        os.environ[SHARE_KSM_ENV] = "1"
+    settings = overridden({SHARE_KSM_ENV: "1"} if label == "share+ksm" else {})
+    settings.__enter__()
     source = gym.make(ENV_ID, action_space="pyautogui", require_a11y_tree=False, memory_mode=mode,
                       task=cfg.task, max_steps=10**9)
     stepper = Stepper(cfg.period_s, cfg.step_threads)
@@ -255,7 +256,7 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
         for env in pool:
             env.close()
         source.close()
-        os.environ.pop(SHARE_KSM_ENV, None)
+        settings.__exit__(None, None, None)
     held = rows[-1]["desktops"] if rows else 0
     if rows and stopped.startswith("step latency"):
         # the last group broke the budget: the count held within it is the one before

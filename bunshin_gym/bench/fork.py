@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from bunshin_gym.bench.report import summary, table, write
+from bunshin_gym.config import overridden
 from bunshin_gym.workspace import Workspace, fanout, uffd
 from bunshin_gym.workspace.memory import (
     SHARE_KSM_ENV,
@@ -169,8 +170,9 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
         src = make_source(image, heap_mb, procs)
         restoring = fanout.using(options)  # forks and rollbacks of this label restore so
         restoring.__enter__()
+        settings = overridden(env)  # "share+ksm", "copy-untracked": what the clones made below are
+        settings.__enter__()
         try:
-            os.environ.update(env)  # "share+ksm", "copy-untracked": what the clones made below are
             src_mem = group_memory(src.pids())
             first = src.snapshot()
             mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
@@ -222,8 +224,7 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
             first.delete()
             results["modes"][label] = mres
         finally:
-            for k in env:
-                os.environ.pop(k, None)
+            settings.__exit__(None, None, None)
             restoring.__exit__(None, None, None)
             src.close()
     _summarise(results, counts)

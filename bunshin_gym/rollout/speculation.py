@@ -550,9 +550,7 @@ def _stop(chain: _Chain) -> None:
     ws = getattr(fork, "_ws", None)
     if ws is None or getattr(ws, "closed", True) or chain.finished.is_set():
         return
-    abandon = getattr(getattr(fork, "unwrapped", fork), "abandon", None)
-    if abandon is not None:  # its step fails now on purpose: no failure to warn about
-        abandon()
+    fork.abandon()  # its step fails now on purpose: no failure to warn about
     try:
         ws.cgroup.kill_all()
     except (OSError, WorkspaceError) as e:  # already gone: nothing runs there any more
