@@ -1,16 +1,19 @@
-"""CRIU's helper that reads each task's smaps and map_files modes ahead (criu/patches/0033).
+"""CRIU's helper that reads each task's smaps, the modes of its map_files links and opens them,
+ahead of CRIU (criu/patches/0033).
 
 The reference is a dump of the same frozen state without the helper (``CRIU_SMAPS_AHEAD=0``):
 the workspace is frozen, dumped without it (CRIU leaves it frozen, as it found it), then
 dumped with it. Every task's memory mappings (ranges, protections, flags, status, open modes
 of mapped files, which file each maps) and the file table must be the same. The processes map
 one file several times, read-only and read-write, shared and private, next to each other and
-apart: the open mode of each mapping comes from its own map_files link, never its neighbour's.
+apart: the open mode of each mapping comes from its own map_files link, never its neighbour's,
+and the file each maps comes through the descriptor the helper opened for it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -77,7 +80,11 @@ def test_the_helper_gives_the_mappings_criu_reads_itself(tmp_path):
         finally:
             cg.thaw()
         log = (ahead / "dump.log").read_text()
-        assert "smaps-ahead: helper" in log, log[-3000:]
+        took = re.search(r"smaps-ahead: took (\d+) smaps \(waited [\d.]+ ms\), (\d+) map_files modes and (\d+) "
+                         r"descriptors from the helper", log)
+        assert took, log[-3000:]
+        tasks = len(list(ahead.glob("core-*.img")))  # threads too: at least one per process
+        assert 0 < int(took.group(1)) <= tasks and int(took.group(2)) > 100 and int(took.group(3)) > 10, took.group(0)
         assert "smaps-ahead: helper" not in (ref / "dump.log").read_text()
         want, got = _mappings(ref), _mappings(ahead)
         assert set(want) == set(got) and len(want) > 3
