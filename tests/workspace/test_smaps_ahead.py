@@ -65,16 +65,20 @@ def test_the_helper_gives_the_mappings_criu_reads_itself(tmp_path):
         cg = ws.cgroup
         freezer = cg.freezer_dir()
         env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p), CRIU_BG_DUMP="0")
-        ref, ahead = tmp_path / "read-by-criu", tmp_path / "read-ahead"
-        ref.mkdir()
-        ahead.mkdir()
+        ref, ahead, default = tmp_path / "read-by-criu", tmp_path / "read-ahead", tmp_path / "default"
+        for d in (ref, ahead, default):
+            d.mkdir()
         ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
         cg.freeze()
         try:
-            for images, helper in ((ref, "0"), (ahead, "1")):
+            # 0: never, 1: always; unset: for 8 tasks or more (this workspace has 4)
+            for images, helper in ((ref, "0"), (ahead, "1"), (default, None)):
                 cmd = [*forking.dump_command(ws._rec, p, images, freezer, "skip")]
                 cmd[cmd.index(f"-v{forking.dump_verbosity()}")] = "-v3"
-                done = subprocess.run(cmd, env=dict(env, CRIU_SMAPS_AHEAD=helper), capture_output=True, text=True)
+                run_env = {k: v for k, v in env.items() if k != "CRIU_SMAPS_AHEAD"}
+                if helper is not None:
+                    run_env["CRIU_SMAPS_AHEAD"] = helper
+                done = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
                 assert done.returncode == 0, (images / "dump.log").read_text()[-3000:]
                 assert cg.is_frozen(), "the dump should leave the workspace frozen"
         finally:
@@ -86,6 +90,7 @@ def test_the_helper_gives_the_mappings_criu_reads_itself(tmp_path):
         tasks = len(list(ahead.glob("core-*.img")))  # threads too: at least one per process
         assert 0 < int(took.group(1)) <= tasks and int(took.group(2)) > 100 and int(took.group(3)) > 10, took.group(0)
         assert "smaps-ahead: helper" not in (ref / "dump.log").read_text()
+        assert "smaps-ahead: helper" not in (default / "dump.log").read_text()  # 4 tasks: not worth it
         want, got = _mappings(ref), _mappings(ahead)
         assert set(want) == set(got) and len(want) > 3
         for name in want:
