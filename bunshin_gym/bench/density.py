@@ -182,9 +182,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 # one mode --------------------------------------------------------------------------------------
 def run_mode(label: str, cfg: DensityConfig) -> dict:
+    with overridden({SHARE_KSM_ENV: "1"} if label == "share+ksm" else {}):
+        return _run_mode(label, cfg)
+
+
+def _run_mode(label: str, cfg: DensityConfig) -> dict:
     mode = "share" if label == "share+ksm" else label
-    settings = overridden({SHARE_KSM_ENV: "1"} if label == "share+ksm" else {})
-    settings.__enter__()
     source = gym.make(ENV_ID, action_space="pyautogui", require_a11y_tree=False, memory_mode=mode,
                       task=cfg.task, max_steps=10**9)
     stepper = Stepper(cfg.period_s, cfg.step_threads)
@@ -256,7 +259,6 @@ def run_mode(label: str, cfg: DensityConfig) -> dict:
         for env in pool:
             env.close()
         source.close()
-        settings.__exit__(None, None, None)
     held = rows[-1]["desktops"] if rows else 0
     if rows and stopped.startswith("step latency"):
         # the last group broke the budget: the count held within it is the one before

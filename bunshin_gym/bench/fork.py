@@ -168,64 +168,61 @@ def run(json_path: str | None = None, *, image: str = "base", heap_mb: int = 300
         mode, env = _variant(variant)
         by_uffd = uses_uffd(mode)
         src = make_source(image, heap_mb, procs)
-        restoring = fanout.using(options)  # forks and rollbacks of this label restore so
-        restoring.__enter__()
-        settings = overridden(env)  # "share+ksm", "copy-untracked": what the clones made below are
-        settings.__enter__()
         try:
-            src_mem = group_memory(src.pids())
-            first = src.snapshot()
-            mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
-                          "first_snapshot_mb": round(first.size() / 2**20, 1), "by_n": {}}
-            for n in counts:
-                print(f"  {label:>12}  n={n:<2} ", end="", flush=True)
-                ksm0 = ksmd_cpu_seconds()
-                with PeakSampler() as peak, fanout.tracing() as trace:
-                    t0 = time.perf_counter()
-                    clones = first.fork(n, mode=mode)
-                    fanout_s = time.perf_counter() - t0
-                try:
-                    settle = _ksm_settle(mode)
-                    pids = [p for c in clones for p in c.pids()]
-                    after_restore, copied_restore = group_memory(pids), _copied(clones, by_uffd)
-                    stepped = [agent_step(c) for c in clones]
-                    if all(stepped):
+            # forks and rollbacks of this label restore so; "share+ksm", "copy-untracked": what the
+            # clones made below are
+            with fanout.using(options), overridden(env):
+                src_mem = group_memory(src.pids())
+                first = src.snapshot()
+                mres: dict = {"source_mb": src_mem.as_mb(), "first_snapshot": first.meta["timings"],
+                              "first_snapshot_mb": round(first.size() / 2**20, 1), "by_n": {}}
+                for n in counts:
+                    print(f"  {label:>12}  n={n:<2} ", end="", flush=True)
+                    ksm0 = ksmd_cpu_seconds()
+                    with PeakSampler() as peak, fanout.tracing() as trace:
+                        t0 = time.perf_counter()
+                        clones = first.fork(n, mode=mode)
+                        fanout_s = time.perf_counter() - t0
+                    try:
+                        settle = _ksm_settle(mode)
+                        pids = [p for c in clones for p in c.pids()]
+                        after_restore, copied_restore = group_memory(pids), _copied(clones, by_uffd)
+                        stepped = [agent_step(c) for c in clones]
+                        if all(stepped):
+                            time.sleep(0.5)
+                            settle += _ksm_settle(mode)
+                            after_step = group_memory([p for c in clones for p in c.pids()])
+                        for c in clones:
+                            activity(c)
                         time.sleep(0.5)
                         settle += _ksm_settle(mode)
-                        after_step = group_memory([p for c in clones for p in c.pids()])
-                    for c in clones:
-                        activity(c)
-                    time.sleep(0.5)
-                    settle += _ksm_settle(mode)
-                    after_activity = group_memory([p for c in clones for p in c.pids()])
-                    copied_activity = _copied(clones, by_uffd)
-                    row = {
-                        "fanout_s": round(fanout_s, 3), "per_clone_restore_s": round(fanout_s / n, 3),
-                        "fanout_phases": _phases(trace, fanout_s),
-                        "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
-                        "after_restore": after_restore.as_mb(), "after_activity": after_activity.as_mb(),
-                        **({"after_step": after_step.as_mb()} if all(stepped) else {}),
-                        "ksm_settle_s": settle, "ksmd_cpu_s": round(ksmd_cpu_seconds() - ksm0, 2),
-                        "monitor_cpu_s": round(uffd.cpu_seconds([c.id for c in clones]), 3),
-                        "uffd_images_mb": round(_tree_bytes(uffd.images_root()) / 2**20, 1),
-                    }
-                    if copied_activity is not None:
-                        row["activity_copies_per_clone_mb"] = _activity_cost(copied_restore, copied_activity, n)
-                    if n == counts[0]:
-                        row.update(_delta_and_rollback(clones[0]))
-                    mres["by_n"][str(n)] = row
-                    print(f"fan-out {fanout_s:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
-                          f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s  "
-                          f"monitor {row['monitor_cpu_s']} s  load {os.getloadavg()[0]:.1f}")
-                    print(f"{'':17}{_phases_line(row['fanout_phases'])}")
-                finally:
-                    for c in clones:
-                        c.close()
-            first.delete()
-            results["modes"][label] = mres
+                        after_activity = group_memory([p for c in clones for p in c.pids()])
+                        copied_activity = _copied(clones, by_uffd)
+                        row = {
+                            "fanout_s": round(fanout_s, 3), "per_clone_restore_s": round(fanout_s / n, 3),
+                            "fanout_phases": _phases(trace, fanout_s),
+                            "peak_during_fork_mb": round((peak.peak - peak.base) / 2**20, 1),
+                            "after_restore": after_restore.as_mb(), "after_activity": after_activity.as_mb(),
+                            **({"after_step": after_step.as_mb()} if all(stepped) else {}),
+                            "ksm_settle_s": settle, "ksmd_cpu_s": round(ksmd_cpu_seconds() - ksm0, 2),
+                            "monitor_cpu_s": round(uffd.cpu_seconds([c.id for c in clones]), 3),
+                            "uffd_images_mb": round(_tree_bytes(uffd.images_root()) / 2**20, 1),
+                        }
+                        if copied_activity is not None:
+                            row["activity_copies_per_clone_mb"] = _activity_cost(copied_restore, copied_activity, n)
+                        if n == counts[0]:
+                            row.update(_delta_and_rollback(clones[0]))
+                        mres["by_n"][str(n)] = row
+                        print(f"fan-out {fanout_s:6.2f} s  unique {after_activity.unique_mb:8.1f} MB  "
+                              f"pss {after_activity.as_mb()['pss']:8.1f} MB  ksmd {row['ksmd_cpu_s']} s  "
+                              f"monitor {row['monitor_cpu_s']} s  load {os.getloadavg()[0]:.1f}")
+                        print(f"{'':17}{_phases_line(row['fanout_phases'])}")
+                    finally:
+                        for c in clones:
+                            c.close()
+                first.delete()
+                results["modes"][label] = mres
         finally:
-            settings.__exit__(None, None, None)
-            restoring.__exit__(None, None, None)
             src.close()
     _summarise(results, counts)
     if plot:

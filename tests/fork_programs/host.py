@@ -150,3 +150,16 @@ def kmod_vm(target: str, timeout: float) -> tuple[str, str]:
     serial = (repo / f"kmod/build/serial-{target}.log").read_text()
     assert "BUNSHIN_KMOD_RESULT: PASS" in serial
     return out, serial
+
+
+def host_pid_of(ws: Workspace, ns_pid: int) -> int:
+    """The host pid of a process known by its pid inside the workspace."""
+    for pid in ws.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+        if int(nspid[-1]) == ns_pid:
+            return pid
+    raise AssertionError(f"{ws.id}: no process {ns_pid}")

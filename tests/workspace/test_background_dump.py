@@ -170,45 +170,25 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
 #: a process with a heap (32 MiB, a pattern in every page) that rewrites 10 of its pages on
 #: SIGUSR1 (then /tmp/heap.poked); the heap's address in /tmp/heap.addr
 HEAP = """
-import ctypes, signal, time
+import ctypes, os, signal, time
 b = bytearray(32 << 20)
 b[::4096] = bytes(i % 251 for i in range(len(b) // 4096))
 def poke(*_):
     b[:40960:4096] = b"y" * 10
     open("/tmp/heap.poked", "w").close()
 signal.signal(signal.SIGUSR1, poke)
-open("/tmp/heap.addr", "w").write(str(ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b))))
+open("/tmp/heap.addr.tmp", "w").write(str(ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b))))
+os.rename("/tmp/heap.addr.tmp", "/tmp/heap.addr")  # whole when it appears
 while True:
     time.sleep(3600)
 """
 
 
-def _wait_text(ws: Workspace, path: str) -> str:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        r = ws.exec(["cat", path])
-        if r.exit_code == 0 and r.text:
-            return r.text
-        time.sleep(0.1)
-    raise AssertionError(f"{ws.id}: no {path}")
-
-
-def _wait_file(ws: Workspace, path: str) -> None:
-    deadline = time.monotonic() + 20
-    while ws.exec(["test", "-e", path]).exit_code != 0:
-        assert time.monotonic() < deadline, f"{ws.id}: no {path}"
-        time.sleep(0.1)
-
-
 def _heap(ws: Workspace, vpid: int, addr: int) -> bytes:
     """The heap of process ``vpid`` of ``ws`` (read through its host pid's memory)."""
-    for pid in ws.pids():
-        ns = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("NSpid:")]
-        if ns and int(ns[0].split()[-1]) == vpid:
-            with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-                mem.seek(addr)
-                return mem.read(32 << 20)
-    raise AssertionError(f"{ws.id}: no process {vpid}")
+    with open(f"/proc/{host.host_pid_of(ws, vpid)}/mem", "rb", buffering=0) as mem:
+        mem.seek(addr)
+        return mem.read(32 << 20)
 
 
 def test_a_delta_with_few_pages_writes_them_at_once_without_a_fork(monkeypatch):
@@ -225,13 +205,13 @@ def test_a_delta_with_few_pages_writes_them_at_once_without_a_fork(monkeypatch):
     snaps = []
     try:
         vpid = ws.spawn(["python3", "-c", HEAP])
-        addr = int(_wait_text(ws, "/tmp/heap.addr"))
+        addr = int(host.wait_file(ws, "/tmp/heap.addr"))
         snaps.append(ws.snapshot())
         assert f"bg-dump: writing the pages of {vpid}\n" in (snaps[0].criu_dir / "dump.log").read_text()
         (clone,) = snaps[0].fork(1, mode="share")
         made.append(clone)
         clone.exec(["kill", "-USR1", str(vpid)], check=True)
-        _wait_file(clone, "/tmp/heap.poked")
+        host.wait_file(clone, "/tmp/heap.poked")
         held = _heap(clone, vpid, addr)
         assert held[:40960:4096] == b"y" * 10 and held[40960::4096] == bytes(i % 251 for i in range(10, 8192))
 

@@ -52,7 +52,7 @@ def test_criu_dump_failure_leaves_source_running_and_names_the_log():
         ready = host.wait_file(ws, "/tmp/hold.ready").split()
         assert ready[0] != "error", f"no vsock socket in the workspace (errno {ready[1]})"
         hold_pid = int(ready[0])
-        assert os.readlink(f"/proc/{host_pid_of(ws, hold_pid)}/fd/{ready[1]}").startswith("socket:")
+        assert os.readlink(f"/proc/{host.host_pid_of(ws, hold_pid)}/fd/{ready[1]}").startswith("socket:")
         before = set(os.listdir(paths().snapshots))
 
         for attempt in (ws.snapshot, lambda: ws.fork(2)):
@@ -89,19 +89,6 @@ def test_criu_dump_failure_leaves_source_running_and_names_the_log():
             log.unlink(missing_ok=True)
         if snap is not None:
             snap.delete()
-
-
-def host_pid_of(ws: Workspace, ns_pid: int) -> int:
-    """The host pid of a process known by its pid inside the workspace."""
-    for pid in ws.pids():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except FileNotFoundError:
-            continue
-        nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
-        if int(nspid[-1]) == ns_pid:
-            return pid
-    raise AssertionError(f"{ws.id}: no process {ns_pid}")
 
 
 @pytest.mark.parametrize("mode", ["share", "map-anon"])

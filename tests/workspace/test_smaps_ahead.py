@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
+
+from fork_programs import host
 
 from bunshin_gym import config
 from bunshin_gym.config import criu_env
@@ -58,10 +59,7 @@ def test_the_helper_gives_the_mappings_criu_reads_itself(tmp_path):
     try:
         for _ in range(2):
             ws.spawn(["python3", "-c", MAPPER])
-        deadline = time.monotonic() + 20
-        while ws.exec("test -e /tmp/mapped.ready").exit_code != 0:
-            assert time.monotonic() < deadline, "the mapper never got ready"
-            time.sleep(0.1)
+        host.wait_file(ws, "/tmp/mapped.ready")
         cg = ws.cgroup
         freezer = cg.freezer_dir()
         env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p), CRIU_BG_DUMP="0")
