@@ -231,6 +231,33 @@ def background_available(p: Paths | None = None) -> bool:
     return criu_carries(BACKGROUND_MARKER, p)
 
 
+def run_dump(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> subprocess.CompletedProcess:
+    """Run ``criu dump`` to its end, in a session of its own (see :func:`start_criu`)."""
+    proc = start_criu(cmd, env, pass_fds)
+    out, err = wait_for_criu(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_criu(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """Start a ``criu dump`` in a session of its own: a terminal's Ctrl-C (SIGINT to the
+    controller's process group) is not for it. A CRIU killed while its syscall blob runs in a
+    task leaves that task to trap on the blob's int3 and die; undisturbed, it ends in a second
+    or so. Its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer."""
+    return subprocess.Popen(cmd, env=env, pass_fds=pass_fds, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for_criu(proc: subprocess.Popen) -> tuple[str, str]:
+    """``proc.communicate()``; interrupted (Ctrl-C), it first waits for CRIU to end (a second
+    Ctrl-C stops that wait), then raises: a dump is not left running under a thawed source."""
+    try:
+        return proc.communicate()
+    except KeyboardInterrupt:
+        log.warning("interrupted: waiting for criu (pid %d) to finish the dump it began", proc.pid)
+        proc.communicate()
+        raise
+
+
 def run_in_background(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]
                       ) -> tuple[subprocess.CompletedProcess, float | None]:
     """Run ``criu dump`` as a background dump (criu/patches/0020: ``CRIU_BG_DUMP=1``): CRIU
@@ -241,16 +268,16 @@ def run_in_background(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, 
     r, w = os.pipe()
     try:
         # CRIU writes "1" to this fd and closes it when the tasks run again (mem.c bg_dump_*)
-        proc = subprocess.Popen(cmd, env=dict(env, CRIU_BG_DUMP="1", CRIU_BG_DUMP_FD=str(w)),
-                                pass_fds=(*pass_fds, w), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_criu(cmd, dict(env, CRIU_BG_DUMP="1", CRIU_BG_DUMP_FD=str(w)), (*pass_fds, w))
     except BaseException:
         os.close(r)
         raise
     finally:
         os.close(w)
-    # its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer meanwhile
-    thawed = _read_thawed(r)
-    out, err = proc.communicate()
+    try:
+        thawed = _read_thawed(r)
+    finally:
+        out, err = wait_for_criu(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), thawed
 
 
@@ -293,8 +320,7 @@ class GatedDump:
                 self._thawed_r, bg_w = os.pipe()
                 fds.append(bg_w)
                 extra.update(CRIU_BG_DUMP="1", CRIU_BG_DUMP_FD=str(bg_w))
-            self.proc = subprocess.Popen(cmd, env=dict(env, **extra), pass_fds=(*pass_fds, *fds),
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.proc = start_criu(cmd, dict(env, **extra), (*pass_fds, *fds))
         except BaseException:
             self._close_gate()
             if self._thawed_r is not None:
@@ -342,7 +368,7 @@ class GatedDump:
         if self._thawed_r is not None:
             fd, self._thawed_r = self._thawed_r, None
             thawed = _read_thawed(fd)
-        out, err = self.proc.communicate()  # its log goes to a file (-o): stdout and stderr stay small
+        out, err = wait_for_criu(self.proc)
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err), thawed
 
     def _close_gate(self) -> None:

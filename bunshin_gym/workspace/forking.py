@@ -159,7 +159,7 @@ def _freeze_and_dump(rec: records.Record, p: Paths, path: Path, times: dict[str,
             proc, thawed = dumping.run_in_background(cmd, env, (lock_fd,))
         else:
             # CRIU holds the in-progress lock too: outliving us, it still counts
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, pass_fds=(lock_fd,))
+            proc = dumping.run_dump(cmd, env, (lock_fd,))
         times["dump_ms"] = _ms(t)
     finally:
         _after_dump(rec, cg, proc, lock, t0, thawed, times)

@@ -117,6 +117,29 @@ def _criu(kind: str, needle: str) -> list[int]:
     return found
 
 
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
+
+
+def _trapped_on_int3(pids: set[int], since: float) -> list[str]:
+    """Kernel log lines since ``since`` (uptime, s) of any of ``pids`` killed by an int3 it ran
+    with no debugger attached ("traps: sh[9344] trap int3 ip:... in dash[...]"): the end of a
+    task that CRIU left inside its injected syscall blob."""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        stamp, _, text = line.partition("] traps: ")
+        if not text or " trap int3 " not in text:
+            continue
+        try:
+            when, pid = float(stamp.lstrip("[ ")), int(text.split("[", 1)[1].split("]", 1)[0])
+        except (ValueError, IndexError):
+            continue
+        if when >= since - 1 and pid in pids:
+            found.append(text.split(" ip:", 1)[0])
+    return found
+
+
 def _ppid(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
@@ -256,6 +279,50 @@ def test_gc_spares_a_running_dump_and_thaws_the_source_a_killed_controller_left_
         ws.close()
 
 
+def test_ctrl_c_at_the_controller_does_not_reach_a_dumping_criu():
+    """Ctrl-C at a terminal sends SIGINT to its whole foreground process group. CRIU was started
+    in the controller's group, so a user interrupting a training script killed CRIU too,
+    wherever it was: in the microseconds its injected syscall blob runs in a task, that task
+    then traps on the blob's int3 and dies (seen in the full suite, the workspace's init).
+    Now CRIU runs in a session of its own and finishes the dump it began; the interrupted
+    controller waits for it, thaws the source and leaves no snapshot behind."""
+    ws = Workspace.create("base", detached=True)
+    ctl = criu = None
+    try:
+        procs = _prepare(ws, hold_mb=150)
+        state = host.fs_state(ws)
+        before = _snap_dirs()
+        ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
+        # a terminal's job: a process group of its own, as a shell makes for each command line
+        ctl = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            from bunshin_gym.workspace import Workspace
+            Workspace.attach({ws.id!r}).snapshot()
+        """)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+        (criu,) = _wait_for(lambda: _dumping(ws))
+        os.kill(criu, signal.SIGSTOP)  # hold CRIU mid-dump while the terminal's SIGINT goes out
+        assert os.getpgid(criu) != ctl.pid, "CRIU is in the controller's process group"
+        os.killpg(ctl.pid, signal.SIGINT)  # Ctrl-C
+        time.sleep(0.2)
+        os.kill(criu, signal.SIGCONT)
+        _, err = ctl.communicate(timeout=120)
+        assert ctl.returncode != 0 and "KeyboardInterrupt" in err, err
+        assert not records.process_alive(criu, records.proc_start_time(criu))
+        ws = Workspace.attach(ws.id)
+        _assert_runs_on(ws)
+        assert _procs(ws) == procs
+        assert host.fs_state(ws) == state
+        assert not _left_by(ws, before), "the interrupted snapshot left its directory"
+    finally:
+        if criu is not None:
+            try:
+                os.kill(criu, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if ctl is not None and ctl.poll() is None:
+            ctl.kill()
+        ws.close()
+
+
 # 3. CRIU is killed during a dump and during a restore -----------------------------------
 @pytest.mark.parametrize("delay", [0.0, 0.3])
 def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws, made, delay):
@@ -274,10 +341,12 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
         except BaseException as e:  # noqa: BLE001 - checked below
             errors.append(e)
 
+    since, tasks = _uptime(), set(ws.pids())
     t = threading.Thread(target=take)
     t.start()
     (criu,) = _wait_for(lambda: _dumping(ws))
     time.sleep(delay)
+    tasks |= set(ws.pids())
     os.kill(criu, signal.SIGKILL)
     # a first try that failed by itself to seize a task (a loaded host) is tried again, and
     # the kill above may have hit its corpse: every later try of this snapshot is killed too
@@ -285,12 +354,20 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
     while t.is_alive():
         for pid in set(_criu("dump", str(ws.pid))) - killed:
             time.sleep(delay)
+            tasks |= set(ws.pids())
             os.kill(pid, signal.SIGKILL)
             killed.add(pid)
         t.join(0.001)
     assert errors and isinstance(errors[0], ForkError), errors
     assert "CRIU dump" in str(errors[0]) and ws.id in str(errors[0])
+    if trapped := _trapped_on_int3(tasks, since):
+        # 1 to 3 runs in 40 on a loaded host; only a SIGKILL lands there now (Ctrl-C does not)
+        pytest.xfail(f"CRIU was killed while its syscall blob ran in {trapped}, which then trapped on "
+                     "the blob's int3: a known limit (README, 'What a killed CRIU leaves')")
     _assert_runs_on(ws)
+    # CRIU's helper that reads the pid namespace's cursor (criu/patches/0025) takes a pid in it:
+    # killed, it can leave that child a zombie a moment longer, until its parent reaps it
+    _wait_for(lambda: not [r for r in host.proc_tree(ws) if r.split(" ", 3)[2] == "criu"], timeout=10, step=0.02)
     assert _procs(ws) == procs
     assert host.fs_state(ws) == state
     _none_left(made)
