@@ -360,10 +360,9 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
         t.join(0.001)
     assert errors and isinstance(errors[0], ForkError), errors
     assert "CRIU dump" in str(errors[0]) and ws.id in str(errors[0])
-    if trapped := _trapped_on_int3(tasks, since):
-        # 1 to 3 runs in 40 on a loaded host; only a SIGKILL lands there now (Ctrl-C does not)
-        pytest.xfail(f"CRIU was killed while its syscall blob ran in {trapped}, which then trapped on "
-                     "the blob's int3: a known limit (README, 'What a killed CRIU leaves')")
+    # before criu/patches/0035, 1 to 3 runs in 40 on a loaded host killed CRIU while its syscall
+    # blob ran in a task, which then trapped on the blob's int3 and died
+    assert not (trapped := _trapped_on_int3(tasks, since)), f"a task died on CRIU's injected int3: {trapped}"
     _assert_runs_on(ws)
     # CRIU's helper that reads the pid namespace's cursor (criu/patches/0025) takes a pid in it:
     # killed, it can leave that child a zombie a moment longer, until its parent reaps it
@@ -378,6 +377,61 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
         clone.close()
     finally:
         snap.delete()
+
+
+#: CRIU's own memfd and the parasite's area, as a task's /proc/PID/fd and maps show them
+_CRIU_LEFTOVERS = "for p in /proc/[0-9]*; do ls -l $p/fd 2>/dev/null | grep -q CRIUMFD && echo fd ${p#/proc/}; " \
+                  "grep -q CRIUMFD $p/maps 2>/dev/null && echo map ${p#/proc/}; done; true"
+
+
+def test_criu_killed_in_its_injected_syscalls_leaves_every_task_running_unchanged(fresh_ws, made, monkeypatch):
+    """CRIU runs system calls in a task (the parasite's memfd_create, mmap, close, the cure's
+    munmap) through a blob it writes into the task. Killed while one runs (CRIU_SYSCALL_KILL_AT=N:
+    CRIU SIGKILLs itself during its Nth, criu/patches/0035), it left the task to trap on the
+    blob's int3 and die: the first is the workspace's init, so the whole workspace died. Now
+    the blob undoes what the call and CRIU's calls before it made and sigreturns: every task
+    runs on, with no memfd or mapping of CRIU's left in it. The first 8 calls cover the
+    infection and the cure of the first tasks."""
+    ws = fresh_ws
+    procs = _prepare(ws)
+    state = host.fs_state(ws)
+    for n in range(1, 9):
+        since, tasks = _uptime(), set(ws.pids())
+        monkeypatch.setenv("CRIU_SYSCALL_KILL_AT", str(n))
+        with pytest.raises(ForkError, match="killed by SIGKILL"):
+            ws.snapshot()
+        monkeypatch.delenv("CRIU_SYSCALL_KILL_AT")
+        assert not _trapped_on_int3(tasks, since), n
+        _assert_runs_on(ws)
+        _wait_for(lambda: not [r for r in host.proc_tree(ws) if r.split(" ", 3)[2] == "criu"], timeout=10, step=0.02)
+        assert _procs(ws) == procs, n
+        assert host.sh(ws, _CRIU_LEFTOVERS) == "", n
+    assert host.fs_state(ws) == state
+    _none_left(made)
+    snap = ws.snapshot()  # and the next dump is whole: a clone of it runs
+    try:
+        (clone,) = snap.fork(1)
+        assert clone.read_file("/root/kept") == b"kept\n"
+        assert host.sh(clone, _CRIU_LEFTOVERS) == ""
+        clone.close()
+    finally:
+        snap.delete()
+
+
+def test_criu_killed_in_its_injected_syscall_with_the_plain_blob_kills_the_task(monkeypatch):
+    """The same kill with CRIU's plain blob (CRIU_SELFCURE=0): the workspace's init traps on
+    the int3 and the workspace dies. Shows that the kill above lands where it should."""
+    ws = Workspace.create("base")
+    try:
+        since, tasks = _uptime(), set(ws.pids())
+        monkeypatch.setenv("CRIU_SELFCURE", "0")
+        monkeypatch.setenv("CRIU_SYSCALL_KILL_AT", "1")
+        with pytest.raises(ForkError, match="killed by SIGKILL"):
+            ws.snapshot()
+        _wait_for(lambda: _trapped_on_int3(tasks, since), timeout=10, step=0.05)
+        assert not Path(f"/proc/{ws.pid}/root").exists()
+    finally:
+        ws.close()
 
 
 def test_criu_killed_during_a_restore_reclaims_the_clone(fresh_ws):
