@@ -294,7 +294,11 @@ def test_ctrl_c_at_the_controller_does_not_reach_a_dumping_criu():
         before = _snap_dirs()
         ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
         # a terminal's job: a process group of its own, as a shell makes for each command line
+        # SIGINT as a terminal's job gets it: a shell starts background jobs with it ignored, and
+        # Python then leaves it ignored (CI run that way passed the SIGINT by, with rc 0)
         ctl = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import signal
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             from bunshin_gym.workspace import Workspace
             Workspace.attach({ws.id!r}).snapshot()
         """)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
