@@ -163,6 +163,15 @@ def _dumping(ws: Workspace) -> list[int]:
     return [pid for pid in _criu("dump", str(ws.pid)) if _past_gate(pid)]
 
 
+def _resume(criu: int | None) -> None:
+    """SIGCONT a CRIU the test stopped, if it still runs."""
+    if criu is not None:
+        try:
+            os.kill(criu, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
 def _wait_for(what, timeout: float = 60.0, step: float = 0.001):
     deadline = time.monotonic() + timeout
     while not (got := what()):
@@ -271,11 +280,7 @@ def test_gc_spares_a_running_dump_and_thaws_the_source_a_killed_controller_left_
         assert _procs(ws) == procs
         assert ws.id not in rep.workspaces and records.load(ws.id).running()
     finally:
-        if criu is not None:
-            try:
-                os.kill(criu, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _resume(criu)
         ws.close()
 
 
@@ -317,11 +322,7 @@ def test_ctrl_c_at_the_controller_does_not_reach_a_dumping_criu():
         assert host.fs_state(ws) == state
         assert not _left_by(ws, before), "the interrupted snapshot left its directory"
     finally:
-        if criu is not None:
-            try:
-                os.kill(criu, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _resume(criu)
         if ctl is not None and ctl.poll() is None:
             ctl.kill()
         ws.close()
