@@ -99,6 +99,8 @@ def take(rec: records.Record, p: Paths, *, quiesce: Callable[[], None], tags: di
                     log.warning("snapshot %s of %s: CRIU could not seize a task (%s), try %d of %d; log: %s",
                                 snap_id, rec.id, _last_error(log_path), attempt, tries, log_path)
                     _clear_attempt(path)
+                    if f"{_DEAD_PARASITE}: thread" in log_path.read_text(errors="replace"):
+                        time.sleep(_DEAD_PARASITE_WAIT)
                     continue
                 raise ForkError(f"CRIU dump of workspace {rec.id} failed ({_exit_text(proc.returncode)}): "
                                 f"{_last_error(log_path)}; log: {log_path}")
@@ -253,11 +255,19 @@ def _freeze_seizable(cg: Cgroup, ws_id: str) -> int:
     return _REFREEZES
 
 
+#: CRIU's log line where a killed CRIU's parasite area was in a task (criu/patches/0035)
+_DEAD_PARASITE = "killed CRIU's parasite area"
+#: how long a thread still leaving such an area may take (its wait there is 1 s)
+_DEAD_PARASITE_WAIT = 0.4
+
 #: CRIU log lines of a dump that failed to seize a task: another freeze and dump can succeed
 _SEIZE_ERRORS = ("Unseizable non-zombie", "Timeout reached", "task not stopped after seize",
                  "found while seizing", "Unable to freeze cgroup", "Task pid reused while suspending",
                  # the parasite's page dropped again after it was read in (CRIU thaws to seize)
-                 "POKEDATA failed: Input/output error")
+                 "POKEDATA failed: Input/output error",
+                 # a CRIU killed mid-dump left its parasite's area in a task: this CRIU unmapped
+                 # it, or waits for a thread to leave it (criu/patches/0035)
+                 _DEAD_PARASITE)
 
 
 def _seize_failed(log_path: Path) -> bool:
