@@ -240,9 +240,10 @@ def run_dump(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> 
 
 def start_criu(cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
     """Start a ``criu dump`` in a session of its own: a terminal's Ctrl-C (SIGINT to the
-    controller's process group) is not for it. A CRIU killed while its syscall blob runs in a
-    task leaves that task to trap on the blob's int3 and die; undisturbed, it ends in a second
-    or so. Its log goes to a file (-o): stdout and stderr stay far below a pipe's buffer."""
+    controller's process group) is not for it. Killed mid-dump, CRIU fails the snapshot (and
+    where criu/patches/0035 cannot guard a task, a compat one, it leaves it to die on an int3);
+    undisturbed, it ends in a second or so. Its log goes to a file (-o): stdout and stderr stay
+    far below a pipe's buffer."""
     return subprocess.Popen(cmd, env=env, pass_fds=pass_fds, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
