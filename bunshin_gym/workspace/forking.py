@@ -96,7 +96,8 @@ def take(rec: records.Record, p: Paths, *, quiesce: Callable[[], None], tags: di
                     break
                 log_path = _keep_log(p, path / "criu" / "dump.log", f"{snap_id}-dump.log")
                 if attempt < tries and _seize_failed(log_path):
-                    log.warning("snapshot %s of %s: CRIU could not seize a task (%s), try %d of %d; log: %s",
+                    log.warning("snapshot %s of %s: CRIU failed where another try can succeed (%s), try %d of %d; "
+                                "log: %s",
                                 snap_id, rec.id, _last_error(log_path), attempt, tries, log_path)
                     _clear_attempt(path)
                     if f"{_DEAD_PARASITE}: thread" in log_path.read_text(errors="replace"):

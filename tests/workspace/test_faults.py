@@ -172,6 +172,12 @@ def _resume(criu: int | None) -> None:
             pass
 
 
+def _wait_criu_helpers_gone(ws: Workspace) -> None:
+    """CRIU's helper that reads the pid namespace's cursor (criu/patches/0025) takes a pid in
+    it: a killed CRIU can leave that child a zombie a moment longer, until its parent reaps it."""
+    _wait_for(lambda: not [r for r in host.proc_tree(ws) if r.split(" ", 3)[2] == "criu"], timeout=10, step=0.02)
+
+
 def _wait_for(what, timeout: float = 60.0, step: float = 0.001):
     deadline = time.monotonic() + timeout
     while not (got := what()):
@@ -298,9 +304,9 @@ def test_ctrl_c_at_the_controller_does_not_reach_a_dumping_criu():
         state = host.fs_state(ws)
         before = _snap_dirs()
         ws.disconnect()  # the controller's dump waits for every connection into the workspace to close
-        # a terminal's job: a process group of its own, as a shell makes for each command line
-        # SIGINT as a terminal's job gets it: a shell starts background jobs with it ignored, and
-        # Python then leaves it ignored (CI run that way passed the SIGINT by, with rc 0)
+        # a terminal's job: a process group of its own, and SIGINT handled (a shell starts
+        # background jobs with it ignored, and Python then leaves it ignored: a CI run so started
+        # passed the SIGINT by, with rc 0)
         ctl = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
             import signal
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -369,9 +375,7 @@ def test_criu_killed_during_a_dump_leaves_the_source_running_unchanged(fresh_ws,
     # blob ran in a task, which then trapped on the blob's int3 and died
     assert not (trapped := _trapped_on_int3(tasks, since)), f"a task died on CRIU's injected int3: {trapped}"
     _assert_runs_on(ws)
-    # CRIU's helper that reads the pid namespace's cursor (criu/patches/0025) takes a pid in it:
-    # killed, it can leave that child a zombie a moment longer, until its parent reaps it
-    _wait_for(lambda: not [r for r in host.proc_tree(ws) if r.split(" ", 3)[2] == "criu"], timeout=10, step=0.02)
+    _wait_criu_helpers_gone(ws)
     assert _procs(ws) == procs
     assert host.fs_state(ws) == state
     _none_left(made)
@@ -443,7 +447,7 @@ def _kill_criu_at_each(ws: Workspace, made: list, monkeypatch, knob: str, least:
         time.sleep(settle)
         assert not _trapped_on_int3(tasks, since), n
         _assert_runs_on(ws)
-        _wait_for(lambda: not [r for r in host.proc_tree(ws) if r.split(" ", 3)[2] == "criu"], timeout=10, step=0.02)
+        _wait_criu_helpers_gone(ws)
         assert _procs(ws) == procs, (n, sorted(_procs(ws) ^ procs))
         kinds = set(host.sh(ws, _CRIU_LEFTOVERS).split()[::2])  # "fd PID" / "map PID" lines
         assert kinds <= ({left} if left else set()), (n, kinds)
