@@ -8,7 +8,8 @@ same frozen state while a writer rewrites every page, drops, unmaps, moves pages
 during the background phase. Both images must hold the same pages, page by page; and the test
 asserts the second dump really ran in the background (CRIU said it thawed, and the writer ran
 before CRIU finished), so it fails with a CRIU that writes everything frozen as well as with a
-background dump that lets a write through to a page it has not saved.
+background dump that lets a write through to a page it has not saved. Two writers run: CRIU
+dumps the second while the first's copy-on-write fork is under way (criu/patches/0036).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from bunshin_gym.workspace.snapshots import delta
 from bunshin_gym.workspace.snapshots.criu_images import load_image
 
 DIR = "/tmp/bgw"
+DIR2 = "/tmp/bgw2"
 PROG = f"{host.DIR}/bgwriter"
 MB = 64
 
@@ -87,12 +89,17 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
     ws = Workspace.create("base")
     try:
         host.install(ws, "bgwriter")
-        ws.exec(["mkdir", "-p", DIR])
-        # no rseq: the kernel writes a registered rseq area whenever the task runs on another
-        # CPU, which the parasite's runs between the two dumps may do
-        ws.spawn([PROG, str(MB), DIR], log="/tmp/bgwriter.log", env={"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
-        vpid = int(host.wait_file(ws, f"{DIR}/ready"))
-        writer = next(pid for pid in ws.pids() if Path(f"/proc/{pid}/comm").read_text().strip() == "bgwriter")
+        # two writers: CRIU dumps the second while the first forks, and the second's fork runs
+        # while CRIU dumps the mounts and namespaces (criu/patches/0036)
+        vpids = []
+        for d in (DIR, DIR2):
+            ws.exec(["mkdir", "-p", d])
+            # no rseq: the kernel writes a registered rseq area whenever the task runs on another
+            # CPU, which the parasite's runs between the two dumps may do
+            ws.spawn([PROG, str(MB), d], log=f"{d}.log", env={"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
+            vpids.append(int(host.wait_file(ws, f"{d}/ready")))
+        vpid = vpids[0]
+        writer = host.host_pid_of(ws, vpid)
         time.sleep(0.3)  # writing, dropping, moving and forking by now
         rec = ws._rec
         cg = ws.cgroup
@@ -134,6 +141,8 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
         # copy-on-write for CRIU's fork, not written while frozen with the rest of its pages
         assert "is not copied by fork" not in log, log[-3000:]
         assert "MADV_WIPEONFORK range(s) made copy-on-write for the fork" in log
+        for v in vpids:  # each writer's fork ran while CRIU went on (0036)
+            assert f"bg-dump: {v} forks while the next tasks are dumped" in log, log[-3000:]
         ran = [ns for t, ns in samples if thawed <= t <= done]
         assert ran and ran[-1] - ran[0] > 0, "the writer did not run while CRIU wrote the pages"
 
@@ -141,8 +150,9 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
         _mask_rseq(ref, want)
         _mask_rseq(ref, got)  # the same frozen state: the same threads and rseq areas
         assert set(want) == set(got)
+        for v in vpids:
+            assert len(want[f"pagemap-{v}.img"]) >= MB * 256, "a writer's memory is not in the reference dump"
         mine = f"pagemap-{vpid}.img"
-        assert len(want[mine]) >= MB * 256, "the writer's memory is not in the reference dump"
         diffs = [f"{name} {a:#x}: {'missing' if a not in got[name] else 'differs'}"
                  for name in want for a in sorted(set(want[name]) | set(got[name]))
                  if want[name].get(a) != got[name].get(a)]
@@ -161,8 +171,9 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
         assert " wf" in "".join(ln for ln in Path(f"/proc/{writer}/smaps").read_text().splitlines()
                                 if ln.startswith("VmFlags:")), "the writer lost MADV_WIPEONFORK"
         time.sleep(0.5)
-        assert ws.exec(["test", "!", "-e", f"{DIR}/wipe-broken"]).exit_code == 0, \
-            "a child of the writer read the parent's MADV_WIPEONFORK page"
+        for d in (DIR, DIR2):
+            assert ws.exec(["test", "!", "-e", f"{d}/wipe-broken"]).exit_code == 0, \
+                "a child of a writer read the parent's MADV_WIPEONFORK page"
     finally:
         ws.close()
 
@@ -234,5 +245,41 @@ def test_a_delta_with_few_pages_writes_them_at_once_without_a_fork(monkeypatch):
         for w in made:
             w.close()
         for snap in reversed(snaps):
+            snap.delete()
+        ws.close()
+
+
+def test_a_fork_that_fails_has_its_pages_written_while_frozen(monkeypatch):
+    """criu/patches/0036: CRIU takes a copy-on-write fork's answer only after the other tasks,
+    mounts and namespaces are dumped. A fork that failed (here: the workspace is at its pids
+    limit) has its task's pages written then, still frozen: the snapshot completes, and a clone
+    of it holds the heap the source had."""
+    monkeypatch.setenv(BACKGROUND_DUMP_ENV, "1")
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the info lines checked below
+    ws = Workspace.create("base")
+    snap = clone = None
+    try:
+        vpid = ws.spawn(["python3", "-c", HEAP])
+        addr = int(host.wait_file(ws, "/tmp/heap.addr"))
+        held = _heap(ws, vpid, addr)
+        pids = ws.cgroup._pids_dir()
+        assert pids is not None, "this host's workspaces have no pids controller"
+        limit = (pids / "pids.max").read_text().strip()
+        (pids / "pids.max").write_text((pids / "pids.current").read_text().strip())
+        try:
+            snap = ws.snapshot()
+        finally:
+            (pids / "pids.max").write_text(limit)
+        log = (snap.criu_dir / "dump.log").read_text()
+        assert f"bg-dump: {vpid} forks while the next tasks are dumped" in log, log[-3000:]
+        assert f"bg-dump: {vpid} could not be made copy-on-write" in log, log[-3000:]
+        assert f"bg-dump: writing the pages of {vpid}\n" not in log  # written while frozen
+        (clone,) = snap.fork(1, mode="copy")
+        assert _heap(clone, vpid, addr) == held, "a clone does not hold the source's heap"
+        assert _heap(ws, vpid, addr) == held, "the source's heap changed"
+    finally:
+        if clone is not None:
+            clone.close()
+        if snap is not None:
             snap.delete()
         ws.close()
