@@ -223,7 +223,7 @@ def _cmd_bench(args) -> int:
         from bunshin_gym.bench import bgdump
 
         bgdump.run(args.image or "base", args.heap_mb, args.rounds, args.json,
-                   log_levels=bgdump.parse_levels(args.log_levels))
+                   log_levels=bgdump.parse_levels(args.log_levels), fork_wait=args.fork_wait)
         return 0
     if args.name == "fanout":
         from bunshin_gym.bench import fanout
@@ -364,6 +364,9 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=2, help="containment, bgdump: interleaved rounds of each side")
     be.add_argument("--log-levels", default=None,
                     help="bgdump: CRIU log levels to take background snapshots at too, side by side (e.g. 3,4)")
+    be.add_argument("--fork-wait", action="store_true",
+                    help="bgdump: background snapshots with each copy-on-write fork waited at once too "
+                         "(CRIU_BG_FORK_WAIT=1, as before criu/patches/0036), side by side")
     be.add_argument("--cycles", type=int, default=500, help="soak: fork/close cycles of phase 1")
     be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")

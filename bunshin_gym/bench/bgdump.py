@@ -16,12 +16,18 @@ noisy on a shared host.
 (``BUNSHIN_CRIU_DUMP_VERBOSITY``), in turn with the others, to show what CRIU's log costs while
 the workspace is frozen: every line is formatted and written then (17,000 lines at level 3
 for a desktop).
+
+``--fork-wait``: background snapshots are also taken with CRIU waiting for each task's
+copy-on-write fork at once (``CRIU_BG_FORK_WAIT=1``, the way before criu/patches/0036, which
+lets the forks run while CRIU dumps the next tasks), in turn with the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -38,13 +44,35 @@ def _load() -> str:
 
 #: the variable ``--log-levels`` sets for a snapshot
 LOG_LEVEL_ENV = "BUNSHIN_CRIU_DUMP_VERBOSITY"
+#: CRIU's own switch (criu/patches/0036) that ``--fork-wait`` sets: each copy-on-write fork's
+#: answer waited for at once, as before 0036
+FORK_WAIT_ENV = "CRIU_BG_FORK_WAIT"
+#: the side ``--fork-wait`` adds
+FORK_WAIT_SIDE = "background, forks waited at once"
 
 
-def _snapshot(ws, background: bool, log_level: int | None = None) -> tuple[dict, object]:
+@contextlib.contextmanager
+def _criu_env(name: str, value: str | None):
+    """CRIU's own variable ``name`` set (None: unset) for a block: CRIU inherits it."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _snapshot(ws, background: bool, log_level: int | None = None, fork_wait: bool = False) -> tuple[dict, object]:
     settings = {ENV: "1" if background else "0"}
     if log_level is not None:
         settings[LOG_LEVEL_ENV] = str(log_level)
-    with overridden(settings):
+    with overridden(settings), _criu_env(FORK_WAIT_ENV, "1" if fork_wait else None):
         assert background_dump() == background
         for attempt in range(3):
             t = time.perf_counter()
@@ -65,15 +93,17 @@ def _snapshot(ws, background: bool, log_level: int | None = None) -> tuple[dict,
 
 
 def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str | None = None,
-        log_levels: tuple[int, ...] = ()) -> dict:
+        log_levels: tuple[int, ...] = (), fork_wait: bool = False) -> dict:
     procs = 3 if image == "base" else 0
     level = criu_dump_verbosity()
     print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; CRIU log level "
-          f"{level}{''.join(f', and {n}' for n in log_levels)}; load {_load()}")
+          f"{level}{''.join(f', and {n}' for n in log_levels)}{'; forks waited at once too' if fork_wait else ''}; "
+          f"load {_load()}")
     ws = make_source(image, heap_mb, procs)
-    #: name -> (background, CRIU log level or None: the configured one)
-    sides = {"stop-the-world": (False, None), "background": (True, None),
-             **{f"background, log level {n}": (True, n) for n in log_levels}}
+    #: name -> (background, CRIU log level or None: the configured one, forks waited at once)
+    sides = {"stop-the-world": (False, None, False), "background": (True, None, False),
+             **{f"background, log level {n}": (True, n, False) for n in log_levels},
+             **({FORK_WAIT_SIDE: (True, None, True)} if fork_wait else {})}
     rows: dict[str, list[dict]] = {name: [] for name in sides}
     snaps = []
     try:
@@ -81,7 +111,7 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
                 row, snap = _snapshot(ws, *sides[name])
                 rows[name].append(row)
-                print(f"  round {i + 1} {name:<14}: frozen "
+                print(f"  round {i + 1} {name:<32}: frozen "
                       f"{row['frozen_ms']:8.1f} ms, whole snapshot {row['snapshot_ms']:8.1f} ms, "
                       f"{row['bytes'] / 2**20:7.1f} MiB")
                 snaps.append(snap)
@@ -113,6 +143,9 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
     for n in log_levels:
         print(f"median frozen, background at CRIU log level {n}: "
               f"{res['median'][f'background, log level {n}']['frozen_ms']:.1f} ms")
+    if fork_wait:
+        print(f"median frozen, background with each fork waited at once (before 0036): "
+              f"{res['median'][FORK_WAIT_SIDE]['frozen_ms']:.1f} ms")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -125,8 +158,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--log-levels", default="", help="CRIU log levels to take background snapshots at too")
+    ap.add_argument("--fork-wait", action="store_true",
+                    help="background snapshots with each copy-on-write fork waited at once too (before 0036)")
     a = ap.parse_args()
-    run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels))
+    run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait)
 
 
 def parse_levels(text: str | None) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """`bunshin bench bgdump`: both dump paths side by side from the command line, on a small heap;
 the background path reports a frozen time up to the thaw and its snapshot forks a live clone;
-``--log-levels`` adds background snapshots at other CRIU log levels, side by side."""
+``--log-levels`` adds background snapshots at other CRIU log levels, and ``--fork-wait`` ones with
+each copy-on-write fork waited at once (before criu/patches/0036), side by side."""
 
 from __future__ import annotations
 
@@ -11,25 +12,38 @@ import sys
 
 import pytest
 
-from bunshin_gym.bench.bgdump import parse_levels
+from bunshin_gym.bench.bgdump import FORK_WAIT_ENV, FORK_WAIT_SIDE, _criu_env, parse_levels
 
 
 def test_bench_bgdump_from_the_command_line_measures_both_paths(tmp_path):
     out = tmp_path / "bgdump.json"
     proc = subprocess.run([sys.executable, "-m", "bunshin_gym.cli", "bench", "bgdump", "--heap-mb", "32",
-                           "--rounds", "1", "--log-levels", "3", "--json", str(out)], capture_output=True, text=True,
-                          timeout=600, env={k: v for k, v in os.environ.items() if k != "BUNSHIN_CRIU_DUMP_VERBOSITY"})
+                           "--rounds", "1", "--log-levels", "3", "--fork-wait", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "BUNSHIN_CRIU_DUMP_VERBOSITY"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["heap_mb"] == 32 and res["rounds"] == 1
-    sides = ("stop-the-world", "background", "background, log level 3")
-    assert res["criu_log_level"] == 2 and [len(res["runs"][k]) for k in sides] == [1, 1, 1]
+    sides = ("stop-the-world", "background", "background, log level 3", FORK_WAIT_SIDE)
+    assert res["criu_log_level"] == 2 and [len(res["runs"][k]) for k in sides] == [1, 1, 1, 1]
     for path in sides:
         m = res["median"][path]
         assert 0 < m["frozen_ms"] <= m["snapshot_ms"] and m["bytes"] > 32 << 20
     assert res["clone_of_background_snapshot_answers"] is True
     assert "median frozen: stop-the-world" in proc.stdout
     assert "median frozen, background at CRIU log level 3:" in proc.stdout
+    assert "median frozen, background with each fork waited at once (before 0036):" in proc.stdout
+
+
+def test_fork_wait_is_set_for_its_snapshots_only(monkeypatch):
+    monkeypatch.setenv(FORK_WAIT_ENV, "0")
+    with _criu_env(FORK_WAIT_ENV, "1"):
+        assert os.environ[FORK_WAIT_ENV] == "1"
+    assert os.environ[FORK_WAIT_ENV] == "0"
+    monkeypatch.delenv(FORK_WAIT_ENV)
+    with _criu_env(FORK_WAIT_ENV, "1"):
+        assert os.environ[FORK_WAIT_ENV] == "1"
+    assert FORK_WAIT_ENV not in os.environ
 
 
 def test_log_levels_are_criu_levels():
