@@ -106,6 +106,37 @@ def test_the_tmpfs_tars_run_at_once(source, snapshot, monkeypatch):
     _clones_show(snap, source.exec(["sh", "-c", LOOK]).text)
 
 
+def test_a_tmpfs_with_mounts_below_it_is_read_through_a_detached_copy(source, snapshot, monkeypatch):
+    """criu/patches/0037: the workspace's /dev is a tmpfs with mounts below it (/dev/shm, /dev/pts,
+    the device nodes); CRIU reads its own content through a copy of that mount alone, detached
+    (open_tree), not through a bind mount on a temporary directory in the workspace's /tmp,
+    which its user namespace refuses CRIU (EOVERFLOW), nor through the helper process that then
+    copied the whole mount namespace (~5 ms frozen). The tar holds /dev's own files, none of the
+    mounts below it, and clones get them."""
+    monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the mount's info lines
+    assert source.exec(["sh", "-c", "printf 'dev data' > /dev/mine"]).ok
+    snap = snapshot()
+    log = (snap.criu_dir / "dump.log").read_text()
+    assert re.search(r"mount has children \./dev\(\d+\)", log), log[-3000:]
+    assert not re.search(r"overmounted or has children \./dev\(", log), "the helper process copied the namespace"
+    assert "Can't create a temporary directory" not in log
+    dev = []
+    for t in snap.criu_dir.glob("tmpfs-dev-*.tar.img"):
+        with tarfile.open(t, "r:") as archive:
+            if "./mine" in archive.getnames():
+                dev.append(archive.getnames())
+    assert len(dev) == 1, "no tmpfs image holds /dev's own file"
+    assert {"./shm", "./pts", "./null"} <= set(dev[0]) and "./shm/s" not in dev[0], dev[0]
+    assert source.exec(["sh", "-c", "ls -d /tmp/cr-tmpfs.* /cr-tmpfs.* 2>/dev/null | wc -l"]).text.strip() == "0"
+    for mode in ("share", "copy"):
+        (c,) = snap.fork(1, mode=mode)
+        try:
+            assert c.exec(["cat", "/dev/mine"]).text == "dev data", mode
+            assert c.exec(["cat", "/dev/shm/s"]).text == "shm data", mode
+        finally:
+            c.close()
+
+
 @pytest.fixture
 def fake_bin():
     """A directory for programs CRIU's helpers run: readable by the workspace's root, which tar
