@@ -14,6 +14,7 @@ dumps the second while the first's copy-on-write fork is under way (criu/patches
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -256,9 +257,9 @@ def test_a_fork_that_fails_has_its_pages_written_while_frozen(monkeypatch):
     of it holds the heap the source had."""
     monkeypatch.setenv(BACKGROUND_DUMP_ENV, "1")
     monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the info lines checked below
-    ws = Workspace.create("base")
-    snap = clone = None
-    try:
+    with contextlib.ExitStack() as made:  # closed in reverse: the clone, the snapshot, the source
+        ws = Workspace.create("base")
+        made.callback(ws.close)
         vpid = ws.spawn(["python3", "-c", HEAP])
         addr = int(host.wait_file(ws, "/tmp/heap.addr"))
         held = _heap(ws, vpid, addr)
@@ -270,16 +271,12 @@ def test_a_fork_that_fails_has_its_pages_written_while_frozen(monkeypatch):
             snap = ws.snapshot()
         finally:
             (pids / "pids.max").write_text(limit)
+        made.callback(snap.delete)
         log = (snap.criu_dir / "dump.log").read_text()
         assert f"bg-dump: {vpid} forks while the next tasks are dumped" in log, log[-3000:]
         assert f"bg-dump: {vpid} could not be made copy-on-write" in log, log[-3000:]
         assert f"bg-dump: writing the pages of {vpid}\n" not in log  # written while frozen
         (clone,) = snap.fork(1, mode="copy")
+        made.callback(clone.close)
         assert _heap(clone, vpid, addr) == held, "a clone does not hold the source's heap"
         assert _heap(ws, vpid, addr) == held, "the source's heap changed"
-    finally:
-        if clone is not None:
-            clone.close()
-        if snap is not None:
-            snap.delete()
-        ws.close()
