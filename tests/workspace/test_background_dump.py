@@ -9,7 +9,8 @@ during the background phase. Both images must hold the same pages, page by page;
 asserts the second dump really ran in the background (CRIU said it thawed, and the writer ran
 before CRIU finished), so it fails with a CRIU that writes everything frozen as well as with a
 background dump that lets a write through to a page it has not saved. Two writers run: CRIU
-dumps the second while the first's copy-on-write fork is under way (criu/patches/0036).
+dumps the second while the first's pages are spliced and its copy-on-write fork made
+(criu/patches/0036, 0038).
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
         # copy-on-write for CRIU's fork, not written while frozen with the rest of its pages
         assert "is not copied by fork" not in log, log[-3000:]
         assert "MADV_WIPEONFORK range(s) made copy-on-write for the fork" in log
-        for v in vpids:  # each writer's fork ran while CRIU went on (0036)
+        for v in vpids:  # each writer's drain and fork ran while CRIU went on (0036, 0038)
             assert f"bg-dump: {v} forks while the next tasks are dumped" in log, log[-3000:]
+            assert re.search(rf"bg-dump: {v}: \d+ pipe\(s\) to fill with its fork", log), log[-3000:]
         ran = [ns for t, ns in samples if thawed <= t <= done]
         assert ran and ran[-1] - ran[0] > 0, "the writer did not run while CRIU wrote the pages"
 
