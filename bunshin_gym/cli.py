@@ -366,7 +366,7 @@ def parser() -> argparse.ArgumentParser:
                     help="bgdump: CRIU log levels to take background snapshots at too, side by side (e.g. 3,4)")
     be.add_argument("--fork-wait", action="store_true",
                     help="bgdump: background snapshots with each copy-on-write fork waited at once too "
-                         "(CRIU_BG_FORK_WAIT=1, as before criu/patches/0036), side by side")
+                         "(CRIU_BG_FORK_WAIT=1, as before criu/patches/0036 and 0038), side by side")
     be.add_argument("--cycles", type=int, default=500, help="soak: fork/close cycles of phase 1")
     be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")

@@ -18,8 +18,9 @@ the workspace is frozen: every line is formatted and written then (17,000 lines 
 for a desktop).
 
 ``--fork-wait``: background snapshots are also taken with CRIU waiting for each task's
-copy-on-write fork at once (``CRIU_BG_FORK_WAIT=1``, the way before criu/patches/0036, which
-lets the forks run while CRIU dumps the next tasks), in turn with the others.
+copy-on-write fork at once, its pages drained before it (``CRIU_BG_FORK_WAIT=1``, the way before
+criu/patches/0036 and 0038, which let the drains and forks run while CRIU dumps the next tasks),
+in turn with the others.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _load() -> str:
 
 #: the variable ``--log-levels`` sets for a snapshot
 LOG_LEVEL_ENV = "BUNSHIN_CRIU_DUMP_VERBOSITY"
-#: CRIU's own switch (criu/patches/0036) that ``--fork-wait`` sets: each copy-on-write fork's
-#: answer waited for at once, as before 0036
+#: CRIU's own switch (criu/patches/0036, 0038) that ``--fork-wait`` sets: each task's pages
+#: drained and its copy-on-write fork's answer waited for at once, as before 0036
 FORK_WAIT_ENV = "CRIU_BG_FORK_WAIT"
 #: the side ``--fork-wait`` adds
 FORK_WAIT_SIDE = "background, forks waited at once"
@@ -144,7 +145,7 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         print(f"median frozen, background at CRIU log level {n}: "
               f"{res['median'][f'background, log level {n}']['frozen_ms']:.1f} ms")
     if fork_wait:
-        print(f"median frozen, background with each fork waited at once (before 0036): "
+        print(f"median frozen, background with each fork waited at once (before 0036, 0038): "
               f"{res['median'][FORK_WAIT_SIDE]['frozen_ms']:.1f} ms")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--log-levels", default="", help="CRIU log levels to take background snapshots at too")
     ap.add_argument("--fork-wait", action="store_true",
-                    help="background snapshots with each copy-on-write fork waited at once too (before 0036)")
+                    help="background snapshots with each copy-on-write fork waited at once too (before 0036, 0038)")
     a = ap.parse_args()
     run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait)
 

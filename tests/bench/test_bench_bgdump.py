@@ -32,7 +32,7 @@ def test_bench_bgdump_from_the_command_line_measures_both_paths(tmp_path):
     assert res["clone_of_background_snapshot_answers"] is True
     assert "median frozen: stop-the-world" in proc.stdout
     assert "median frozen, background at CRIU log level 3:" in proc.stdout
-    assert "median frozen, background with each fork waited at once (before 0036):" in proc.stdout
+    assert "median frozen, background with each fork waited at once (before 0036, 0038):" in proc.stdout
 
 
 def test_fork_wait_is_set_for_its_snapshots_only(monkeypatch):
