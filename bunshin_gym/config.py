@@ -67,6 +67,23 @@ def overridden(values: dict[str, str | None]) -> Iterator[None]:
     settings side by side in one process)."""
     for name in values:
         get(name)  # a KeyError for an unlisted name
+    with _environ(values):
+        yield
+
+
+@contextlib.contextmanager
+def criu_overridden(values: dict[str, str | None]) -> Iterator[None]:
+    """CRIU's own variables (``CRIU_*``: its switches in criu/patches, read by each CRIU run)
+    set (None: unset) for the ``with`` block, as :func:`overridden` does for listed ones."""
+    bad = [name for name in values if not name.startswith("CRIU_")]
+    if bad:
+        raise KeyError(f"{bad} are not CRIU's variables (CRIU_*): listed ones go through overridden()")
+    with _environ(values):
+        yield
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str | None]) -> Iterator[None]:
     old = {name: os.environ.get(name) for name in values}
     try:
         _set_environ(values)

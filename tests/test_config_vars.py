@@ -173,3 +173,18 @@ def test_overridden_sets_listed_variables_for_a_block_and_puts_them_back(monkeyp
         assert config.criu_dump_verbosity() == 3
         raise RuntimeError("the block failed")
     assert config.criu_dump_verbosity() == 4
+
+
+def test_criu_overridden_sets_criu_variables_for_a_block_and_puts_them_back(monkeypatch):
+    """What ``bench bgdump --fork-wait`` sets for its snapshots only (CRIU_BG_FORK_WAIT)."""
+    name = "CRIU_BG_FORK_WAIT"
+    monkeypatch.setenv(name, "0")
+    with config.criu_overridden({name: "1"}):
+        assert os.environ[name] == "1"
+    assert os.environ[name] == "0"
+    monkeypatch.delenv(name)
+    with config.criu_overridden({name: "1"}):
+        assert os.environ[name] == "1"
+    assert name not in os.environ
+    with pytest.raises(KeyError, match="not CRIU's variables"), config.criu_overridden({"BUNSHIN_HOME": "/x"}):
+        pass

@@ -26,15 +26,13 @@ in turn with the others.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 from bunshin_gym.bench.fork import make_source
-from bunshin_gym.config import background_dump, criu_dump_verbosity, overridden
+from bunshin_gym.config import background_dump, criu_dump_verbosity, criu_overridden, overridden
 from bunshin_gym.workspace.dumping import BACKGROUND_DUMP_ENV as ENV
 from bunshin_gym.workspace.errors import ForkError
 
@@ -52,28 +50,11 @@ FORK_WAIT_ENV = "CRIU_BG_FORK_WAIT"
 FORK_WAIT_SIDE = "background, forks waited at once"
 
 
-@contextlib.contextmanager
-def _criu_env(name: str, value: str | None):
-    """CRIU's own variable ``name`` set (None: unset) for a block: CRIU inherits it."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
 def _snapshot(ws, background: bool, log_level: int | None = None, fork_wait: bool = False) -> tuple[dict, object]:
     settings = {ENV: "1" if background else "0"}
     if log_level is not None:
         settings[LOG_LEVEL_ENV] = str(log_level)
-    with overridden(settings), _criu_env(FORK_WAIT_ENV, "1" if fork_wait else None):
+    with overridden(settings), criu_overridden({FORK_WAIT_ENV: "1" if fork_wait else None}):
         assert background_dump() == background
         for attempt in range(3):
             t = time.perf_counter()

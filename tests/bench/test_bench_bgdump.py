@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bunshin_gym.bench.bgdump import FORK_WAIT_ENV, FORK_WAIT_SIDE, _criu_env, parse_levels
+from bunshin_gym.bench.bgdump import FORK_WAIT_SIDE, parse_levels
 
 
 def test_bench_bgdump_from_the_command_line_measures_both_paths(tmp_path):
@@ -33,17 +33,6 @@ def test_bench_bgdump_from_the_command_line_measures_both_paths(tmp_path):
     assert "median frozen: stop-the-world" in proc.stdout
     assert "median frozen, background at CRIU log level 3:" in proc.stdout
     assert "median frozen, background with each fork waited at once (before 0036, 0038):" in proc.stdout
-
-
-def test_fork_wait_is_set_for_its_snapshots_only(monkeypatch):
-    monkeypatch.setenv(FORK_WAIT_ENV, "0")
-    with _criu_env(FORK_WAIT_ENV, "1"):
-        assert os.environ[FORK_WAIT_ENV] == "1"
-    assert os.environ[FORK_WAIT_ENV] == "0"
-    monkeypatch.delenv(FORK_WAIT_ENV)
-    with _criu_env(FORK_WAIT_ENV, "1"):
-        assert os.environ[FORK_WAIT_ENV] == "1"
-    assert FORK_WAIT_ENV not in os.environ
 
 
 def test_log_levels_are_criu_levels():
