@@ -24,14 +24,12 @@ import time
 from pathlib import Path
 
 import pytest
-from fork_programs import host
+from fork_programs import dumped, host
 
 from bunshin_gym import config
 from bunshin_gym.config import criu_env
 from bunshin_gym.workspace import Workspace, dumping, forking, memory
 from bunshin_gym.workspace.dumping import BACKGROUND_DUMP_ENV
-from bunshin_gym.workspace.snapshots import delta
-from bunshin_gym.workspace.snapshots.criu_images import load_image
 
 DIR = "/tmp/bgw"
 DIR2 = "/tmp/bgw2"
@@ -41,44 +39,6 @@ MB = 64
 
 pytestmark = pytest.mark.skipif(not dumping.background_available(),
                                 reason="CRIU without criu/patches/0020-background-dump (see criu/build.sh)")
-
-
-def _pages(images: Path) -> dict[str, dict[int, bytes]]:
-    """{pagemap file: {address: page}} of every process's dumped pages (in-parent ones named)."""
-    out: dict[str, dict[int, bytes]] = {}
-    for pm in sorted(images.glob("pagemap-*.img")):
-        if not pm.stem.split("-", 1)[1].isdigit():
-            continue
-        _, pages_id, ents = delta.read_pagemap(pm)
-        pages: dict[int, bytes] = {}
-        with open(images / f"pages-{pages_id}.img", "rb") as f:
-            for vaddr, n, flags in ents:
-                for i in range(n):
-                    addr = vaddr + i * 4096
-                    pages[addr] = f.read(4096) if flags & delta.PE_PRESENT else b"in-parent"
-        out[pm.name] = pages
-    return out
-
-
-def _mask_rseq(images: Path, pages: dict[str, dict[int, bytes]]) -> None:
-    """Blank each thread's rseq area (from its core image) in its process's pages: the kernel
-    rewrites it (the CPU the thread runs on) whenever the thread returns to user space on
-    another CPU, which CRIU's parasite does in each dump. The writer runs without rseq."""
-    for proc in load_image(images / "pstree.img")["entries"]:
-        mine = pages.get(f"pagemap-{proc['pid']}.img", {})
-        if not mine:
-            # no memory: a zombie (one of the writer's children, exited and not yet reaped at the
-            # freeze), whose pstree entry's thread id CRIU leaves unset (CI read 2679928720)
-            continue
-        for tid in proc.get("threads") or [proc["pid"]]:
-            rseq = load_image(images / f"core-{tid}.img")["entries"][0]["thread_core"].get("rseq_entry")
-            if not rseq or not rseq.get("rseq_abi_pointer"):
-                continue
-            start, end = rseq["rseq_abi_pointer"], rseq["rseq_abi_pointer"] + rseq["rseq_abi_size"]
-            for a in range(start & ~4095, end, 4096):
-                if a in mine and mine[a] != b"in-parent":
-                    lo, hi = max(start, a) - a, min(end, a + 4096) - a
-                    mine[a] = mine[a][:lo] + bytes(hi - lo) + mine[a][hi:]
 
 
 def _runtime_ns(pid: int) -> int:
@@ -149,9 +109,9 @@ def test_background_dump_holds_the_frozen_state_page_by_page(tmp_path, monkeypat
         ran = [ns for t, ns in samples if thawed <= t <= done]
         assert ran and ran[-1] - ran[0] > 0, "the writer did not run while CRIU wrote the pages"
 
-        want, got = _pages(ref), _pages(bg)
-        _mask_rseq(ref, want)
-        _mask_rseq(ref, got)  # the same frozen state: the same threads and rseq areas
+        want, got = dumped.pages(ref), dumped.pages(bg)
+        dumped.mask_rseq(ref, want)
+        dumped.mask_rseq(ref, got)  # the same frozen state: the same threads and rseq areas
         assert set(want) == set(got)
         for v in vpids:
             assert len(want[f"pagemap-{v}.img"]) >= MB * 256, "a writer's memory is not in the reference dump"

@@ -1,0 +1,48 @@
+"""What a CRIU dump recorded, read from its images: the tests that compare two dumps of one
+frozen state page by page (a background dump against a stop-the-world one, a dump with a scan
+left out against one without) read them the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bunshin_gym.workspace.snapshots import delta
+from bunshin_gym.workspace.snapshots.criu_images import load_image
+
+
+def pages(images: Path) -> dict[str, dict[int, bytes]]:
+    """{pagemap file: {address: page}} of every process's dumped pages (in-parent ones named)."""
+    out: dict[str, dict[int, bytes]] = {}
+    for pm in sorted(images.glob("pagemap-*.img")):
+        if not pm.stem.split("-", 1)[1].isdigit():
+            continue
+        _, pages_id, ents = delta.read_pagemap(pm)
+        pages: dict[int, bytes] = {}
+        with open(images / f"pages-{pages_id}.img", "rb") as f:
+            for vaddr, n, flags in ents:
+                for i in range(n):
+                    addr = vaddr + i * 4096
+                    pages[addr] = f.read(4096) if flags & delta.PE_PRESENT else b"in-parent"
+        out[pm.name] = pages
+    return out
+
+
+def mask_rseq(images: Path, pages: dict[str, dict[int, bytes]]) -> None:
+    """Blank each thread's rseq area (from its core image) in its process's pages: the kernel
+    rewrites it (the CPU the thread runs on) whenever the thread returns to user space on
+    another CPU, which CRIU's parasite does in each dump. The writer runs without rseq."""
+    for proc in load_image(images / "pstree.img")["entries"]:
+        mine = pages.get(f"pagemap-{proc['pid']}.img", {})
+        if not mine:
+            # no memory: a zombie (one of the writer's children, exited and not yet reaped at the
+            # freeze), whose pstree entry's thread id CRIU leaves unset (CI read 2679928720)
+            continue
+        for tid in proc.get("threads") or [proc["pid"]]:
+            rseq = load_image(images / f"core-{tid}.img")["entries"][0]["thread_core"].get("rseq_entry")
+            if not rseq or not rseq.get("rseq_abi_pointer"):
+                continue
+            start, end = rseq["rseq_abi_pointer"], rseq["rseq_abi_pointer"] + rseq["rseq_abi_size"]
+            for a in range(start & ~4095, end, 4096):
+                if a in mine and mine[a] != b"in-parent":
+                    lo, hi = max(start, a) - a, min(end, a + 4096) - a
+                    mine[a] = mine[a][:lo] + bytes(hi - lo) + mine[a][hi:]

@@ -1,0 +1,138 @@
+"""What a dump no longer does in CRIU's thread while the workspace is frozen, checked against a
+dump of the same frozen state that still does it.
+
+- criu/patches/0039: a private mapping whose smaps lines count no anonymous and no swapped page
+  is not scanned for pages (the scan would find none: it leaves out file pages and the zero
+  page), and guard regions are looked for only in the mappings smaps marks for them ("gu"),
+  not in the page tables of the whole address space. ``CRIU_SMAPS_SKIP=0`` and
+  ``CRIU_GUARD_SCAN_ALL=1`` scan as before.
+- criu/patches/0040: the contents of deleted files the tasks hold (ghost files) are copied by a
+  helper beside the dump, not by CRIU one after the other; the dump waits for the last copy
+  before it ends. ``CRIU_GHOST_COPY_LATE=0`` copies at once, as before.
+
+The workspace is frozen, dumped the old way (CRIU leaves it frozen, as it found it), then the
+new way: both must record the same pages, mappings (guard regions included) and deleted files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+from fork_programs import dumped, host
+
+from bunshin_gym import config
+from bunshin_gym.config import criu_env
+from bunshin_gym.workspace import Workspace, forking, memory
+from bunshin_gym.workspace.snapshots.criu_images import load_image
+
+#: the switches that make a dump scan and copy as before 0039 and 0040
+OLD_WAY = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_LATE": "0"}
+#: CRIU's mark of a guard region in an mm image's VMA list (criu/include/image.h)
+VMA_AREA_GUARD = 1 << 16
+#: where the two programs keep their files: a tmpfs (no extent map) and the overlay root
+DIRS = ("/tmp/scan1", "/root/scan2")
+
+
+def _mappings(images) -> dict[str, list]:
+    return {mm.name: load_image(mm)["entries"][0]["vmas"] for mm in sorted(images.glob("mm-*.img"))}
+
+
+def _ghost(image) -> tuple[dict, bytes]:
+    """A ghost file image's entry (less its access time) and the contents after it."""
+    raw = image.read_bytes()
+    entry = load_image(image)["entries"][0]
+    entry.pop("atim", None)
+    return entry, raw[8 + 4 + int.from_bytes(raw[8:12], "little"):]  # two magics, the entry's size, the entry
+
+
+def _deleted_files(ws: Workspace, vpid: int) -> dict[str, str]:
+    """{descriptor: sha256} of the deleted files a process of the workspace holds open."""
+    out = ws.exec(f"for f in /proc/{vpid}/fd/*; do case $(readlink $f) in *'(deleted)') "
+                  f"echo ${{f##*/}} $(sha256sum < $f | cut -c1-64);; esac; done").text.split()
+    return dict(zip(out[::2], out[1::2]))
+
+
+def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_same_state(tmp_path):
+    p = config.paths()
+    ws = Workspace.create("base")
+    try:
+        host.install(ws, "scanmaps")
+        ready, vpids = {}, {}
+        for d in DIRS:
+            ws.exec(["mkdir", "-p", d])
+            vpids[d] = ws.spawn([f"{host.DIR}/scanmaps", d], log=f"{d}.log")
+            ready[d] = {k: int(v, 16) for k, v in
+                        (kv.split("=") for kv in host.wait_file(ws, f"{d}/ready", contains="\n").split())}
+        cg = ws.cgroup
+        freezer = cg.freezer_dir()
+        env = {k: v for k, v in dict(os.environ, **criu_env(p), **memory.registry.dump_env(p)).items()
+               if k not in OLD_WAY}
+        env["CRIU_BG_DUMP"] = "0"
+        old, new = tmp_path / "old-way", tmp_path / "new-way"
+        ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
+        cg.freeze()
+        try:
+            for images, settings in ((old, OLD_WAY), (new, {})):
+                images.mkdir()
+                cmd = [*forking.dump_command(ws._rec, p, images, freezer, "skip")]
+                cmd[cmd.index(f"-v{forking.dump_verbosity()}")] = "-v4"
+                done = subprocess.run(cmd, env={**env, **settings}, capture_output=True, text=True)
+                assert done.returncode == 0, (images / "dump.log").read_text()[-3000:]
+                assert cg.is_frozen(), "the dump should leave the workspace frozen"
+        finally:
+            cg.thaw()
+        old_log, new_log = (old / "dump.log").read_text(), (new / "dump.log").read_text()
+
+        # the new way ran: mappings left out, the deleted files copied by the helper
+        assert "not scanned" not in old_log and "ghost-copy:" not in old_log
+        for d in DIRS:
+            ro, rw = ready[d]["ro"], ready[d]["rw"]
+            assert f"{ro:x}-{ro + (1 << 20):x}: smaps counts no private page, not scanned" in new_log, d
+            assert f"{rw:x}-{rw + (1 << 20):x}: smaps counts no private page" not in new_log, d
+        copied = re.search(r"ghost-copy: (\d+) deleted file\(s\), (\d+) bytes copied beside the dump", new_log)
+        assert copied and int(copied.group(1)) >= 4 and int(copied.group(2)) >= 2 * (3 << 20) + 2 * 4096, \
+            copied and copied.group(0)
+
+        # and recorded what the old way recorded: every page, every mapping, every deleted file
+        want, got = dumped.pages(old), dumped.pages(new)
+        dumped.mask_rseq(old, want)
+        dumped.mask_rseq(old, got)  # the same frozen state: the same threads and rseq areas
+        assert set(want) == set(got)
+        diffs = [f"{name} {a:#x}" for name in want for a in sorted(set(want[name]) | set(got[name]))
+                 if want[name].get(a) != got[name].get(a)]
+        assert not diffs, f"{len(diffs)} pages differ from the old way's dump, first: {diffs[:10]}"
+        for d in DIRS:  # the three pages each program wrote in its private file mapping are its own
+            rw = ready[d]["rw"]
+            assert any({rw, rw + (7 << 12), rw + (200 << 12)} <= set(pages) for pages in got.values()), d
+        assert _mappings(old) == _mappings(new)
+        ghosts = sorted(g.name for g in old.glob("ghost-file-*.img"))
+        assert len(ghosts) >= 4 and ghosts == sorted(g.name for g in new.glob("ghost-file-*.img"))
+        for g in ghosts:  # the old way's copy read each file, so the new way recorded a later access time
+            assert _ghost(old / g) == _ghost(new / g), f"{g} differs"
+        for d in DIRS:
+            guard = ready[d]["guard"]
+            if not guard:  # a kernel without MADV_GUARD_INSTALL
+                continue
+            regions = {(v["start"] - guard) >> 12 for vmas in _mappings(new).values() for v in vmas
+                       if v["status"] & VMA_AREA_GUARD and guard <= v["start"] < guard + (16 << 12)}
+            assert regions == {5, 9}, (d, regions)
+        if "guard regions looked for in the" not in new_log:  # smaps without "gu": the old scan, same result
+            assert "gu" not in ws.exec(f"grep VmFlags /proc/{vpids[DIRS[0]]}/smaps").text.split()
+
+        # and a clone of a snapshot taken the new way holds the same deleted files
+        held = {d: _deleted_files(ws, vpids[d]) for d in DIRS}
+        assert all(len(h) == 2 for h in held.values()), held
+        snap = ws.snapshot()
+        try:
+            (clone,) = snap.fork(1, mode="share")
+            try:
+                for d in DIRS:
+                    assert _deleted_files(clone, vpids[d]) == held[d], d
+            finally:
+                clone.close()
+        finally:
+            snap.delete()
+    finally:
+        ws.close()
