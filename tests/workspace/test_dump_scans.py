@@ -51,7 +51,7 @@ def _deleted_files(ws: Workspace, vpid: int) -> dict[str, str]:
     """{descriptor: sha256} of the deleted files a process of the workspace holds open."""
     out = ws.exec(f"for f in /proc/{vpid}/fd/*; do case $(readlink $f) in *'(deleted)') "
                   f"echo ${{f##*/}} $(sha256sum < $f | cut -c1-64);; esac; done").text.split()
-    return dict(zip(out[::2], out[1::2]))
+    return dict(zip(out[::2], out[1::2], strict=True))
 
 
 def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_same_state(tmp_path):
