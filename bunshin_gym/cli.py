@@ -223,7 +223,9 @@ def _cmd_bench(args) -> int:
         from bunshin_gym.bench import bgdump
 
         bgdump.run(args.image or "base", args.heap_mb, args.rounds, args.json,
-                   log_levels=bgdump.parse_levels(args.log_levels), fork_wait=args.fork_wait)
+                   log_levels=bgdump.parse_levels(args.log_levels), fork_wait=args.fork_wait,
+                   scans_as_before=args.scans_as_before, settle=args.settle,
+                   background_only=args.background_only)
         return 0
     if args.name == "fanout":
         from bunshin_gym.bench import fanout
@@ -367,6 +369,14 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--fork-wait", action="store_true",
                     help="bgdump: background snapshots with each copy-on-write fork waited at once too "
                          "(CRIU_BG_FORK_WAIT=1, as before criu/patches/0036 and 0038), side by side")
+    be.add_argument("--scans-as-before", action="store_true",
+                    help="bgdump: background snapshots with every private mapping's page tables and the whole "
+                         "address space scanned and deleted files copied by CRIU itself too (as before "
+                         "criu/patches/0039 and 0040), side by side")
+    be.add_argument("--settle", action="store_true",
+                    help="bgdump: each snapshot after sync and a 0.5 s pause (not in the previous one's writeback)")
+    be.add_argument("--background-only", action="store_true",
+                    help="bgdump: no stop-the-world snapshots (background ones compared with each other)")
     be.add_argument("--cycles", type=int, default=500, help="soak: fork/close cycles of phase 1")
     be.add_argument("--minutes", type=float, default=30.0, help="soak: minutes of the mixed workload")
     be.add_argument("--threads", type=int, default=8, help="soak: threads of the mixed workload")

@@ -21,12 +21,25 @@ for a desktop).
 copy-on-write fork at once, its pages drained before it (``CRIU_BG_FORK_WAIT=1``, the way before
 criu/patches/0036 and 0038, which let the drains and forks run while CRIU dumps the next tasks),
 in turn with the others.
+
+``--settle``: each snapshot starts after the previous one's pages are on disk (``sync``, then
+0.5 s): back to back, a snapshot's frozen window overlaps the previous one's writeback into the
+snapshot pool, which adds tens of milliseconds to some rounds and not others.
+
+``--background-only``: no stop-the-world snapshots, to compare background ones with each other
+(a stop-the-world snapshot freezes the source for a quarter second or more, and what the
+source does after it shows in the next snapshot).
+
+``--scans-as-before``: background snapshots are also taken with CRIU scanning every private
+mapping's page tables and the whole address space for guard regions, and copying deleted files
+itself (the way before criu/patches/0039 and 0040), in turn with the others.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -48,13 +61,30 @@ LOG_LEVEL_ENV = "BUNSHIN_CRIU_DUMP_VERBOSITY"
 FORK_WAIT_ENV = "CRIU_BG_FORK_WAIT"
 #: the side ``--fork-wait`` adds
 FORK_WAIT_SIDE = "background, forks waited at once"
+#: CRIU's own switches (criu/patches/0039, 0040) that ``--scans-as-before`` sets: every private
+#: mapping scanned for pages, the whole address space for guard regions, deleted files copied by
+#: CRIU itself
+SCANS_AS_BEFORE_ENV = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_LATE": "0"}
+#: the side ``--scans-as-before`` adds
+SCANS_AS_BEFORE_SIDE = "background, scans and copies as before"
+#: every CRIU switch a side may set (the others' are unset for it)
+_CRIU_SWITCHES = (FORK_WAIT_ENV, *SCANS_AS_BEFORE_ENV)
 
 
-def _snapshot(ws, background: bool, log_level: int | None = None, fork_wait: bool = False) -> tuple[dict, object]:
+#: how long ``--settle`` waits after ``sync`` before a snapshot
+SETTLE_S = 0.5
+
+
+def _snapshot(ws, background: bool, log_level: int | None = None, criu: dict[str, str] | None = None,
+              settle: bool = False) -> tuple[dict, object]:
+    if settle:
+        os.sync()
+        time.sleep(SETTLE_S)
     settings = {ENV: "1" if background else "0"}
     if log_level is not None:
         settings[LOG_LEVEL_ENV] = str(log_level)
-    with overridden(settings), criu_overridden({FORK_WAIT_ENV: "1" if fork_wait else None}):
+    switches = {name: (criu or {}).get(name) for name in _CRIU_SWITCHES}
+    with overridden(settings), criu_overridden(switches):
         assert background_dump() == background
         for attempt in range(3):
             t = time.perf_counter()
@@ -75,23 +105,26 @@ def _snapshot(ws, background: bool, log_level: int | None = None, fork_wait: boo
 
 
 def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str | None = None,
-        log_levels: tuple[int, ...] = (), fork_wait: bool = False) -> dict:
+        log_levels: tuple[int, ...] = (), fork_wait: bool = False, scans_as_before: bool = False,
+        settle: bool = False, background_only: bool = False) -> dict:
     procs = 3 if image == "base" else 0
     level = criu_dump_verbosity()
     print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; CRIU log level "
-          f"{level}{''.join(f', and {n}' for n in log_levels)}{'; forks waited at once too' if fork_wait else ''}; "
-          f"load {_load()}")
+          f"{level}{''.join(f', and {n}' for n in log_levels)}{'; forks waited at once too' if fork_wait else ''}"
+          f"{'; scans and copies as before too' if scans_as_before else ''}"
+          f"{'; each snapshot after sync and a pause' if settle else ''}; load {_load()}")
     ws = make_source(image, heap_mb, procs)
-    #: name -> (background, CRIU log level or None: the configured one, forks waited at once)
-    sides = {"stop-the-world": (False, None, False), "background": (True, None, False),
-             **{f"background, log level {n}": (True, n, False) for n in log_levels},
-             **({FORK_WAIT_SIDE: (True, None, True)} if fork_wait else {})}
+    #: name -> (background, CRIU log level or None: the configured one, CRIU switches set)
+    sides = {**({} if background_only else {"stop-the-world": (False, None, None)}), "background": (True, None, None),
+             **{f"background, log level {n}": (True, n, None) for n in log_levels},
+             **({FORK_WAIT_SIDE: (True, None, {FORK_WAIT_ENV: "1"})} if fork_wait else {}),
+             **({SCANS_AS_BEFORE_SIDE: (True, None, SCANS_AS_BEFORE_ENV)} if scans_as_before else {})}
     rows: dict[str, list[dict]] = {name: [] for name in sides}
     snaps = []
     try:
         for i in range(rounds):
             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                row, snap = _snapshot(ws, *sides[name])
+                row, snap = _snapshot(ws, *sides[name], settle=settle)
                 rows[name].append(row)
                 print(f"  round {i + 1} {name:<32}: frozen "
                       f"{row['frozen_ms']:8.1f} ms, whole snapshot {row['snapshot_ms']:8.1f} ms, "
@@ -112,22 +145,33 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         ws.close()
         for s in snaps:
             s.delete()
-    res: dict = {"image": image, "heap_mb": heap_mb if procs else 0, "rounds": rounds, "load_end": _load(),
+    res: dict = {"image": image, "heap_mb": heap_mb if procs else 0, "rounds": rounds, "settle": settle,
+                 "background_only": background_only,
+                 "load_end": _load(),
                  "criu_log_level": level,
                  "clone_of_background_snapshot_answers": alive, "runs": rows, "median": {}}
     for name, rs in rows.items():
         res["median"][name] = {k: statistics.median(r[k] for r in rs if r[k] is not None)
                                for k in ("frozen_ms", "snapshot_ms", "bytes") if any(r[k] is not None for r in rs)}
-    print(f"median frozen: stop-the-world {res['median']['stop-the-world']['frozen_ms']:.1f} ms, background "
-          f"{res['median']['background']['frozen_ms']:.1f} ms; whole snapshot "
-          f"{res['median']['stop-the-world']['snapshot_ms']:.1f} vs {res['median']['background']['snapshot_ms']:.1f} "
-          f"ms; a share clone of the background snapshot answers: {alive}; load {res['load_end']}")
+    bg = res["median"]["background"]
+    if background_only:
+        print(f"median frozen: background {bg['frozen_ms']:.1f} ms; whole snapshot {bg['snapshot_ms']:.1f} ms; "
+              f"a share clone of the background snapshot answers: {alive}; load {res['load_end']}")
+    else:
+        stw = res["median"]["stop-the-world"]
+        print(f"median frozen: stop-the-world {stw['frozen_ms']:.1f} ms, background {bg['frozen_ms']:.1f} ms; whole "
+              f"snapshot {stw['snapshot_ms']:.1f} vs {bg['snapshot_ms']:.1f} ms; a share clone of the background "
+              f"snapshot answers: {alive}; load {res['load_end']}")
     for n in log_levels:
         print(f"median frozen, background at CRIU log level {n}: "
               f"{res['median'][f'background, log level {n}']['frozen_ms']:.1f} ms")
     if fork_wait:
         print(f"median frozen, background with each fork waited at once (before 0036, 0038): "
               f"{res['median'][FORK_WAIT_SIDE]['frozen_ms']:.1f} ms")
+    if scans_as_before:
+        print(f"median frozen, background with every mapping and the whole address space scanned and deleted "
+              f"files copied by CRIU (before 0039, 0040): {res['median'][SCANS_AS_BEFORE_SIDE]['frozen_ms']:.1f} ms;"
+              f" lower in {_rounds_lower(rows['background'], rows[SCANS_AS_BEFORE_SIDE])} of {rounds} rounds")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -142,8 +186,18 @@ def main() -> None:
     ap.add_argument("--log-levels", default="", help="CRIU log levels to take background snapshots at too")
     ap.add_argument("--fork-wait", action="store_true",
                     help="background snapshots with each copy-on-write fork waited at once too (before 0036, 0038)")
+    ap.add_argument("--scans-as-before", action="store_true",
+                    help="background snapshots with CRIU's scans and deleted-file copies as before 0039, 0040 too")
+    ap.add_argument("--settle", action="store_true", help="each snapshot after sync and a 0.5 s pause")
+    ap.add_argument("--background-only", action="store_true", help="no stop-the-world snapshots")
     a = ap.parse_args()
-    run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait)
+    run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait,
+        scans_as_before=a.scans_as_before, settle=a.settle, background_only=a.background_only)
+
+
+def _rounds_lower(rows: list[dict], others: list[dict]) -> int:
+    """In how many rounds the first side was frozen for less time than the other."""
+    return sum(a["frozen_ms"] < b["frozen_ms"] for a, b in zip(rows, others, strict=True))
 
 
 def parse_levels(text: str | None) -> tuple[int, ...]:
