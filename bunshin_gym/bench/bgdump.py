@@ -69,8 +69,6 @@ SCANS_AS_BEFORE_ENV = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU
 SCANS_AS_BEFORE_SIDE = "background, scans and copies as before"
 #: every CRIU switch a side may set (the others' are unset for it)
 _CRIU_SWITCHES = (FORK_WAIT_ENV, *SCANS_AS_BEFORE_ENV)
-
-
 #: how long ``--settle`` waits after ``sync`` before a snapshot
 SETTLE_S = 0.5
 
@@ -146,9 +144,7 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         for s in snaps:
             s.delete()
     res: dict = {"image": image, "heap_mb": heap_mb if procs else 0, "rounds": rounds, "settle": settle,
-                 "background_only": background_only,
-                 "load_end": _load(),
-                 "criu_log_level": level,
+                 "background_only": background_only, "load_end": _load(), "criu_log_level": level,
                  "clone_of_background_snapshot_answers": alive, "runs": rows, "median": {}}
     for name, rs in rows.items():
         res["median"][name] = {k: statistics.median(r[k] for r in rs if r[k] is not None)
