@@ -1,13 +1,47 @@
-"""What a CRIU dump recorded, read from its images: the tests that compare two dumps of one
-frozen state page by page (a background dump against a stop-the-world one, a dump with a scan
-left out against one without) read them the same way."""
+"""Dumps of one frozen state, and what they recorded, read from their images: the tests that
+compare two ways of dumping (a background dump against a stop-the-world one, a dump with a
+helper or a scan left out against one without) make and read them the same way."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
+from bunshin_gym import config
+from bunshin_gym.config import criu_env
+from bunshin_gym.workspace import Workspace, forking, memory
 from bunshin_gym.workspace.snapshots import delta
 from bunshin_gym.workspace.snapshots.criu_images import load_image
+
+
+def dump_frozen(ws: Workspace, ways: dict[Path, dict[str, str | None]], *, verbosity: int) -> None:
+    """Freeze ``ws`` once and dump it stop-the-world into each images directory in turn (made
+    here), with that way's CRIU variables set (None: unset) and CRIU logging at ``verbosity``;
+    CRIU leaves the workspace frozen as it found it, so every dump is of the same state. Thaw."""
+    p = config.paths()
+    cg = ws.cgroup
+    freezer = cg.freezer_dir()
+    env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p), CRIU_BG_DUMP="0")
+    ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
+    cg.freeze()
+    try:
+        for images, settings in ways.items():
+            images.mkdir()
+            cmd = [*forking.dump_command(ws._rec, p, images, freezer, "skip")]
+            cmd[cmd.index(f"-v{forking.dump_verbosity()}")] = f"-v{verbosity}"
+            run_env = {k: v for k, v in env.items() if k not in settings}
+            run_env.update({k: v for k, v in settings.items() if v is not None})
+            done = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
+            assert done.returncode == 0, (images / "dump.log").read_text()[-3000:]
+            assert cg.is_frozen(), "the dump should leave the workspace frozen"
+    finally:
+        cg.thaw()
+
+
+def mappings(images: Path) -> dict[str, list]:
+    """{mm image: its VMAs as CRIU recorded them} of every process of a dump."""
+    return {mm.name: load_image(mm)["entries"][0]["vmas"] for mm in sorted(images.glob("mm-*.img"))}
 
 
 def pages(images: Path) -> dict[str, dict[int, bytes]]:

@@ -16,15 +16,11 @@ new way: both must record the same pages, mappings (guard regions included) and 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 from fork_programs import dumped, host
 
-from bunshin_gym import config
-from bunshin_gym.config import criu_env
-from bunshin_gym.workspace import Workspace, forking, memory
+from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.snapshots.criu_images import load_image
 
 #: the switches that make a dump scan and copy as before 0039 and 0040
@@ -33,10 +29,6 @@ OLD_WAY = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_
 VMA_AREA_GUARD = 1 << 16
 #: where the two programs keep their files: a tmpfs (no extent map) and the overlay root
 DIRS = ("/tmp/scan1", "/root/scan2")
-
-
-def _mappings(images) -> dict[str, list]:
-    return {mm.name: load_image(mm)["entries"][0]["vmas"] for mm in sorted(images.glob("mm-*.img"))}
 
 
 def _ghost(image) -> tuple[dict, bytes]:
@@ -55,7 +47,6 @@ def _deleted_files(ws: Workspace, vpid: int) -> dict[str, str]:
 
 
 def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_same_state(tmp_path):
-    p = config.paths()
     ws = Workspace.create("base")
     try:
         host.install(ws, "scanmaps")
@@ -65,24 +56,8 @@ def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_sa
             vpids[d] = ws.spawn([f"{host.DIR}/scanmaps", d], log=f"{d}.log")
             ready[d] = {k: int(v, 16) for k, v in
                         (kv.split("=") for kv in host.wait_file(ws, f"{d}/ready", contains="\n").split())}
-        cg = ws.cgroup
-        freezer = cg.freezer_dir()
-        env = {k: v for k, v in dict(os.environ, **criu_env(p), **memory.registry.dump_env(p)).items()
-               if k not in OLD_WAY}
-        env["CRIU_BG_DUMP"] = "0"
         old, new = tmp_path / "old-way", tmp_path / "new-way"
-        ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
-        cg.freeze()
-        try:
-            for images, settings in ((old, OLD_WAY), (new, {})):
-                images.mkdir()
-                cmd = [*forking.dump_command(ws._rec, p, images, freezer, "skip")]
-                cmd[cmd.index(f"-v{forking.dump_verbosity()}")] = "-v4"
-                done = subprocess.run(cmd, env={**env, **settings}, capture_output=True, text=True)
-                assert done.returncode == 0, (images / "dump.log").read_text()[-3000:]
-                assert cg.is_frozen(), "the dump should leave the workspace frozen"
-        finally:
-            cg.thaw()
+        dumped.dump_frozen(ws, {old: OLD_WAY, new: dict.fromkeys(OLD_WAY)}, verbosity=4)
         old_log, new_log = (old / "dump.log").read_text(), (new / "dump.log").read_text()
 
         # the new way ran: mappings left out, the deleted files copied by the helper
@@ -106,7 +81,7 @@ def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_sa
         for d in DIRS:  # the three pages each program wrote in its private file mapping are its own
             rw = ready[d]["rw"]
             assert any({rw, rw + (7 << 12), rw + (200 << 12)} <= set(pages) for pages in got.values()), d
-        assert _mappings(old) == _mappings(new)
+        assert dumped.mappings(old) == dumped.mappings(new)
         ghosts = sorted(g.name for g in old.glob("ghost-file-*.img"))
         assert len(ghosts) >= 4 and ghosts == sorted(g.name for g in new.glob("ghost-file-*.img"))
         for g in ghosts:  # the old way's copy read each file, so the new way recorded a later access time
@@ -115,7 +90,7 @@ def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_sa
             guard = ready[d]["guard"]
             if not guard:  # a kernel without MADV_GUARD_INSTALL
                 continue
-            regions = {(v["start"] - guard) >> 12 for vmas in _mappings(new).values() for v in vmas
+            regions = {(v["start"] - guard) >> 12 for vmas in dumped.mappings(new).values() for v in vmas
                        if v["status"] & VMA_AREA_GUARD and guard <= v["start"] < guard + (16 << 12)}
             assert regions == {5, 9}, (d, regions)
         if "guard regions looked for in the" not in new_log:  # smaps without "gu": the old scan, same result

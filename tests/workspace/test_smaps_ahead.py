@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
-from fork_programs import host
+from fork_programs import dumped, host
 
-from bunshin_gym import config
-from bunshin_gym.config import criu_env
-from bunshin_gym.workspace import Workspace, forking, memory
+from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.snapshots.criu_images import load_image
 
 #: maps /tmp/mapped.bin four times: read-only private, read-write shared, an anonymous gap,
@@ -46,41 +43,20 @@ while True:
 
 def _mappings(images) -> dict:
     """{process: its VMAs as CRIU recorded them} and the file table, of a dump's images."""
-    out = {}
-    for mm in sorted(images.glob("mm-*.img")):
-        out[mm.name] = load_image(mm)["entries"][0]["vmas"]
-    out["files.img"] = sorted(load_image(images / "files.img")["entries"], key=lambda e: e["id"])
-    return out
+    return {**dumped.mappings(images),
+            "files.img": sorted(load_image(images / "files.img")["entries"], key=lambda e: e["id"])}
 
 
 def test_the_helper_gives_the_mappings_criu_reads_itself(tmp_path):
-    p = config.paths()
     ws = Workspace.create("base")
     try:
         for _ in range(2):
             ws.spawn(["python3", "-c", MAPPER])
         host.wait_file(ws, "/tmp/mapped.ready")
-        cg = ws.cgroup
-        freezer = cg.freezer_dir()
-        env = dict(os.environ, **criu_env(p), **memory.registry.dump_env(p), CRIU_BG_DUMP="0")
         ref, ahead, default = tmp_path / "read-by-criu", tmp_path / "read-ahead", tmp_path / "default"
-        for d in (ref, ahead, default):
-            d.mkdir()
-        ws._quiesce_agent()  # the controller's connections into the workspace (CRIU cannot dump them)
-        cg.freeze()
-        try:
-            # 0: never, 1: always; unset: for 8 tasks or more (this workspace has 4)
-            for images, helper in ((ref, "0"), (ahead, "1"), (default, None)):
-                cmd = [*forking.dump_command(ws._rec, p, images, freezer, "skip")]
-                cmd[cmd.index(f"-v{forking.dump_verbosity()}")] = "-v3"
-                run_env = {k: v for k, v in env.items() if k != "CRIU_SMAPS_AHEAD"}
-                if helper is not None:
-                    run_env["CRIU_SMAPS_AHEAD"] = helper
-                done = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
-                assert done.returncode == 0, (images / "dump.log").read_text()[-3000:]
-                assert cg.is_frozen(), "the dump should leave the workspace frozen"
-        finally:
-            cg.thaw()
+        # CRIU_SMAPS_AHEAD 0: never, 1: always; unset: for 8 tasks or more (this workspace has 4)
+        dumped.dump_frozen(ws, {ref: {"CRIU_SMAPS_AHEAD": "0"}, ahead: {"CRIU_SMAPS_AHEAD": "1"},
+                                default: {"CRIU_SMAPS_AHEAD": None}}, verbosity=3)
         log = (ahead / "dump.log").read_text()
         took = re.search(r"smaps-ahead: took (\d+) smaps \(waited [\d.]+ ms\), (\d+) map_files modes and (\d+) "
                          r"descriptors from the helper", log)
