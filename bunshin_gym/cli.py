@@ -225,7 +225,7 @@ def _cmd_bench(args) -> int:
         bgdump.run(args.image or "base", args.heap_mb, args.rounds, args.json,
                    log_levels=bgdump.parse_levels(args.log_levels), fork_wait=args.fork_wait,
                    scans_as_before=args.scans_as_before, settle=args.settle,
-                   background_only=args.background_only)
+                   background_only=args.background_only, ns_after_tasks=args.ns_after_tasks)
         return 0
     if args.name == "fanout":
         from bunshin_gym.bench import fanout
@@ -373,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
                     help="bgdump: background snapshots with every private mapping's page tables and the whole "
                          "address space scanned and deleted files copied by CRIU itself too (as before "
                          "criu/patches/0039 and 0040), side by side")
+    be.add_argument("--ns-after-tasks", action="store_true",
+                    help="bgdump: background snapshots with the tmpfs contents and the UTS and network namespaces "
+                         "dumped after the tasks too (CRIU_NS_BESIDE=0, as before criu/patches/0041), side by side")
     be.add_argument("--settle", action="store_true",
                     help="bgdump: each snapshot after sync and a 0.5 s pause (not in the previous one's writeback)")
     be.add_argument("--background-only", action="store_true",

@@ -33,6 +33,11 @@ source does after it shows in the next snapshot).
 ``--scans-as-before``: background snapshots are also taken with CRIU scanning every private
 mapping's page tables and the whole address space for guard regions, and copying deleted files
 itself (the way before criu/patches/0039 and 0040), in turn with the others.
+
+``--ns-after-tasks``: background snapshots are also taken with the tmpfs contents and the UTS
+and network namespaces dumped after the tasks, CRIU waiting for their tars and ``ip ... save``
+runs (``CRIU_NS_BESIDE=0``, the way before criu/patches/0041, which dumps them beside the
+tasks), in turn with the others.
 """
 
 from __future__ import annotations
@@ -67,8 +72,13 @@ FORK_WAIT_SIDE = "background, forks waited at once"
 SCANS_AS_BEFORE_ENV = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_LATE": "0"}
 #: the side ``--scans-as-before`` adds
 SCANS_AS_BEFORE_SIDE = "background, scans and copies as before"
+#: CRIU's own switch (criu/patches/0041) that ``--ns-after-tasks`` sets: the tmpfs contents and
+#: the UTS and network namespaces dumped after the tasks, as before 0041
+NS_AFTER_TASKS_ENV = {"CRIU_NS_BESIDE": "0"}
+#: the side ``--ns-after-tasks`` adds
+NS_AFTER_TASKS_SIDE = "background, namespaces after the tasks"
 #: every CRIU switch a side may set (the others' are unset for it)
-_CRIU_SWITCHES = (FORK_WAIT_ENV, *SCANS_AS_BEFORE_ENV)
+_CRIU_SWITCHES = (FORK_WAIT_ENV, *SCANS_AS_BEFORE_ENV, *NS_AFTER_TASKS_ENV)
 #: how long ``--settle`` waits after ``sync`` before a snapshot
 SETTLE_S = 0.5
 
@@ -104,19 +114,21 @@ def _snapshot(ws, background: bool, log_level: int | None = None, criu: dict[str
 
 def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str | None = None,
         log_levels: tuple[int, ...] = (), fork_wait: bool = False, scans_as_before: bool = False,
-        settle: bool = False, background_only: bool = False) -> dict:
+        settle: bool = False, background_only: bool = False, ns_after_tasks: bool = False) -> dict:
     procs = 3 if image == "base" else 0
     level = criu_dump_verbosity()
     print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; CRIU log level "
           f"{level}{''.join(f', and {n}' for n in log_levels)}{'; forks waited at once too' if fork_wait else ''}"
           f"{'; scans and copies as before too' if scans_as_before else ''}"
+          f"{'; namespaces after the tasks too' if ns_after_tasks else ''}"
           f"{'; each snapshot after sync and a pause' if settle else ''}; load {_load()}")
     ws = make_source(image, heap_mb, procs)
     #: name -> (background, CRIU log level or None: the configured one, CRIU switches set)
     sides = {**({} if background_only else {"stop-the-world": (False, None, None)}), "background": (True, None, None),
              **{f"background, log level {n}": (True, n, None) for n in log_levels},
              **({FORK_WAIT_SIDE: (True, None, {FORK_WAIT_ENV: "1"})} if fork_wait else {}),
-             **({SCANS_AS_BEFORE_SIDE: (True, None, SCANS_AS_BEFORE_ENV)} if scans_as_before else {})}
+             **({SCANS_AS_BEFORE_SIDE: (True, None, SCANS_AS_BEFORE_ENV)} if scans_as_before else {}),
+             **({NS_AFTER_TASKS_SIDE: (True, None, NS_AFTER_TASKS_ENV)} if ns_after_tasks else {})}
     rows: dict[str, list[dict]] = {name: [] for name in sides}
     snaps = []
     try:
@@ -168,6 +180,10 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         print(f"median frozen, background with every mapping and the whole address space scanned and deleted "
               f"files copied by CRIU (before 0039, 0040): {res['median'][SCANS_AS_BEFORE_SIDE]['frozen_ms']:.1f} ms;"
               f" lower in {_rounds_lower(rows['background'], rows[SCANS_AS_BEFORE_SIDE])} of {rounds} rounds")
+    if ns_after_tasks:
+        print(f"median frozen, background with the tmpfs contents and namespaces dumped after the tasks (before "
+              f"0041): {res['median'][NS_AFTER_TASKS_SIDE]['frozen_ms']:.1f} ms;"
+              f" lower in {_rounds_lower(rows['background'], rows[NS_AFTER_TASKS_SIDE])} of {rounds} rounds")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -184,11 +200,15 @@ def main() -> None:
                     help="background snapshots with each copy-on-write fork waited at once too (before 0036, 0038)")
     ap.add_argument("--scans-as-before", action="store_true",
                     help="background snapshots with CRIU's scans and deleted-file copies as before 0039, 0040 too")
+    ap.add_argument("--ns-after-tasks", action="store_true",
+                    help="background snapshots with the tmpfs contents and namespaces dumped after the tasks too "
+                         "(before 0041)")
     ap.add_argument("--settle", action="store_true", help="each snapshot after sync and a 0.5 s pause")
     ap.add_argument("--background-only", action="store_true", help="no stop-the-world snapshots")
     a = ap.parse_args()
     run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait,
-        scans_as_before=a.scans_as_before, settle=a.settle, background_only=a.background_only)
+        scans_as_before=a.scans_as_before, settle=a.settle, background_only=a.background_only,
+        ns_after_tasks=a.ns_after_tasks)
 
 
 def _rounds_lower(rows: list[dict], others: list[dict]) -> int:

@@ -39,6 +39,18 @@ def dump_frozen(ws: Workspace, ways: dict[Path, dict[str, str | None]], *, verbo
         cg.thaw()
 
 
+def ip_save_messages(stream: bytes) -> list[bytes]:
+    """An ``ip ... save`` stream's netlink messages (after iproute2's 4-byte magic) without their
+    headers' flags, sequence and port numbers: the dump's, not the namespace's state."""
+    out, off = [stream[:4]], 4
+    while off < len(stream):
+        length = int.from_bytes(stream[off:off + 4], "little")
+        assert length >= 16, f"a message of {length} bytes at {off}"
+        out.append(stream[off:off + 6] + stream[off + 16:off + length])  # length, type; body
+        off += length
+    return out
+
+
 def mappings(images: Path) -> dict[str, list]:
     """{mm image: its VMAs as CRIU recorded them} of every process of a dump."""
     return {mm.name: load_image(mm)["entries"][0]["vmas"] for mm in sorted(images.glob("mm-*.img"))}

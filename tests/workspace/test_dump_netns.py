@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from fork_programs import dumped
 
 from bunshin_gym.workspace import Workspace
 
@@ -110,18 +111,6 @@ IP_SAVES = {"ifaddr": ["addr", "save"], "route": ["route", "save"], "route6": ["
             "rule": ["rule", "save"]}
 
 
-def _messages(stream: bytes) -> list[bytes]:
-    """A saved stream's netlink messages without their headers' flags, sequence and port
-    numbers (the dump's, not the state's), after iproute2's 4-byte magic."""
-    out, off = [stream[:4]], 4
-    while off < len(stream):
-        length = int.from_bytes(stream[off:off + 4], "little")
-        assert length >= 16, f"a message of {length} bytes at {off}"
-        out.append(stream[off:off + 6] + stream[off + 16:off + length])  # length, type; body
-        off += length
-    return out
-
-
 def test_each_network_save_goes_to_its_own_image():
     ws = Workspace.create("base")
     snap = None
@@ -134,8 +123,8 @@ def test_each_network_save_goes_to_its_own_image():
         snap = ws.snapshot()
         for name, stream in now.items():
             (image,) = snap.criu_dir.glob(f"{name}-*.img")
-            assert _messages(image.read_bytes()) == _messages(stream), name
-            assert len(_messages(stream)) > 1, f"{name}: the test's change is not in the stream"
+            assert dumped.ip_save_messages(image.read_bytes()) == dumped.ip_save_messages(stream), name
+            assert len(dumped.ip_save_messages(stream)) > 1, f"{name}: the test's change is not in the stream"
     finally:
         ws.close()
         if snap is not None:

@@ -94,8 +94,10 @@ def test_gzipped_tmpfs_images_of_an_older_dump_still_restore(source, snapshot):
 
 def test_the_tmpfs_tars_run_at_once(source, snapshot, monkeypatch):
     """criu/patches/0030: every tmpfs mount's tar is started before any is reaped (they ran one
-    after the other, a fork and an exec each, while the workspace was frozen)."""
+    after the other, a fork and an exec each, while the workspace was frozen). Where they run
+    after the tasks: since 0041 they run beside them (test_dump_beside.py)."""
     monkeypatch.setenv("BUNSHIN_CRIU_DUMP_VERBOSITY", "3")  # the tars' info lines
+    monkeypatch.setenv("CRIU_NS_BESIDE", "0")
     snap = snapshot()
     lines = (snap.criu_dir / "dump.log").read_text().splitlines()
     started = [i for i, line in enumerate(lines) if ": tar " in line and line.endswith("with the other mounts' ones)")]
@@ -147,14 +149,17 @@ def fake_bin():
     shutil.rmtree(d)
 
 
-def test_a_failed_tmpfs_tar_fails_the_snapshot_and_the_source_runs_on(source, fake_bin, monkeypatch):
+@pytest.mark.parametrize("beside", ["1", "0"], ids=["beside-the-tasks", "after-the-tasks"])
+def test_a_failed_tmpfs_tar_fails_the_snapshot_and_the_source_runs_on(source, fake_bin, monkeypatch, beside):
     """A tar that fails (here one that exits 2 once it has read its stdin, as on a full disk)
-    fails the dump after the others are reaped: no snapshot, the source as it was."""
+    fails the dump after the others are reaped: no snapshot, the source as it was. The tars run
+    in the dumper beside the tasks (0041) or after them."""
     fake = fake_bin / "tar"
     fake.write_text("#!/bin/sh\ncat > /dev/null\nexit 2\n")
     fake.chmod(0o755)
     want = source.exec(["sh", "-c", LOOK]).text
     monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")  # CRIU's PATH is ours
+    monkeypatch.setenv("CRIU_NS_BESIDE", beside)
     with pytest.raises(ForkError, match="CRIU dump") as failed:
         source.snapshot()
     monkeypatch.undo()
