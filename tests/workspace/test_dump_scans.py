@@ -9,6 +9,10 @@ dump of the same frozen state that still does it.
 - criu/patches/0040: the contents of deleted files the tasks hold (ghost files) are copied by a
   helper beside the dump, not by CRIU one after the other; the dump waits for the last copy
   before it ends. ``CRIU_GHOST_COPY_LATE=0`` copies at once, as before.
+- criu/patches/0042: in a share clone, whose anonymous memory is mapped from page images on the
+  images' tmpfs, such a mapping is known by its smaps line (the device is that tmpfs's), without
+  the mode, descriptor and stat of its map_files link; the smaps helper (0033) skips them too.
+  ``CRIU_UFFD_BY_SMAPS=0`` looks them up, as before.
 
 The workspace is frozen, dumped the old way (CRIU leaves it frozen, as it found it), then the
 new way: both must record the same pages, mappings (guard regions included) and deleted files.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import re
 
 from fork_programs import dumped, host
+from fork_programs.host import heap
 
 from bunshin_gym.workspace import Workspace
 from bunshin_gym.workspace.snapshots.criu_images import load_image
@@ -29,6 +34,10 @@ OLD_WAY = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_
 VMA_AREA_GUARD = 1 << 16
 #: where the two programs keep their files: a tmpfs (no extent map) and the overlay root
 DIRS = ("/tmp/scan1", "/root/scan2")
+#: heap.py's port in test_a_page_image_mapping_is_known_by_its_smaps_line
+HEAP_PORT = 7311
+#: CRIU's VmaEntry flag of a mapping without a file (mmap's MAP_ANONYMOUS)
+MAP_ANONYMOUS = 0x20
 
 
 def _ghost(image) -> tuple[dict, bytes]:
@@ -111,3 +120,62 @@ def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_sa
             snap.delete()
     finally:
         ws.close()
+
+
+def _took_from_helper(log: str) -> tuple[int, int]:
+    """How many map_files modes and descriptors CRIU took from the smaps helper (0033)."""
+    took = re.search(r"smaps-ahead: took \d+ smaps \(waited [\d.]+ ms\), (\d+) map_files modes and (\d+) "
+                     r"descriptors from the helper", log)
+    assert took, log[-3000:]
+    return int(took.group(1)), int(took.group(2))
+
+
+def _without_anon_fdflags(images) -> dict[str, list]:
+    """Mappings, less the open mode of anonymous ones: the old way recorded the mode of a page
+    image's map_files link there, which no restore of anonymous memory reads."""
+    return {name: [{k: v for k, v in vma.items() if k != "fdflags" or not vma["flags"] & MAP_ANONYMOUS}
+                   for vma in vmas] for name, vmas in dumped.mappings(images).items()}
+
+
+def test_a_page_image_mapping_is_known_by_its_smaps_line(tmp_path):
+    ws = Workspace.create("base")
+    snaps, clones = [], []
+    try:
+        host.heap_start(ws, HEAP_PORT, 16, "by-line")
+        snaps.append(ws.snapshot())
+        clones += snaps[0].fork(1, mode="share")
+        clone = clones[0]
+        heap(clone, HEAP_PORT, "mutate", "one")  # pages of its own among the image's
+        old, new = tmp_path / "looked-up", tmp_path / "by-line"
+        ahead = {"CRIU_SMAPS_AHEAD": "1"}  # the helper too (this workspace has fewer tasks than it needs)
+        dumped.dump_frozen(clone, {old: {"CRIU_UFFD_BY_SMAPS": "0", **ahead},
+                                   new: {"CRIU_UFFD_BY_SMAPS": None, **ahead}}, verbosity=3)
+        old_log, new_log = (old / "dump.log").read_text(), (new / "dump.log").read_text()
+
+        # every page image mapping the old way found through its link, the new way by its line,
+        # and the helper looked up and opened fewer links
+        images = old_log.count("is anonymous memory")
+        assert images >= 20 and "by its smaps line" not in old_log
+        assert new_log.count("by its smaps line) is anonymous memory") == images == new_log.count("is anonymous memory")
+        (old_modes, old_fds), (new_modes, new_fds) = _took_from_helper(old_log), _took_from_helper(new_log)
+        assert new_modes <= old_modes - images and new_fds < old_fds, (old_modes, old_fds, new_modes, new_fds)
+
+        # the same pages and mappings
+        want, got = dumped.pages(old), dumped.pages(new)
+        dumped.mask_rseq(old, want)
+        dumped.mask_rseq(old, got)
+        assert want == got
+        assert _without_anon_fdflags(old) == _without_anon_fdflags(new)
+
+        # a delta of the clone taken the new way (its unchanged image pages recorded as in the
+        # parent, found by the image each mapping names) restores the heap as the clone holds it
+        snaps.append(clone.snapshot())
+        assert b"in-parent" in {p for pages in dumped.pages(snaps[1].criu_dir).values() for p in pages.values()}
+        clones += snaps[1].fork(1, mode="share")
+        assert heap(clones[1], HEAP_PORT, "sha") == host.heap_expected(16, "by-line", "one")
+    finally:
+        for c in clones:
+            c.close()
+        ws.close()
+        for s in reversed(snaps):
+            s.delete()
