@@ -99,6 +99,14 @@ def close_all(*workspaces: Workspace | list) -> None:
             w.close()
 
 
+def close_then_delete(clones: list[Workspace], ws: Workspace, snaps: list) -> None:
+    """A test's end: its clones, then their source, closed; then its snapshots deleted, the
+    newest first (each after the clones restored from it)."""
+    close_all(clones, ws)
+    for s in reversed(snaps):
+        s.delete()
+
+
 def heap_expected(mb: int, seed: str, *mutations: str) -> str:
     """The sha256 heap.py answers after these ``mutate`` commands (computed on the host)."""
     import hashlib

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import pytest
-from fork_programs import dumped
+from fork_programs import dumped, host
 
 from bunshin_gym.workspace import Workspace
 
@@ -82,11 +82,7 @@ def test_a_netns_without_conntrack_entries_is_not_walked_for_them(verbose_dumps)
         clones += snap2.fork(1)
         assert _in_netns(LIST_ENTRIES, clones[1].pid).split() == ["1", "1"]
     finally:
-        for c in clones:
-            c.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
+        host.close_then_delete(clones, ws, snaps)
 
 
 def test_iptables_binaries_that_are_not_installed_are_not_run(verbose_dumps):

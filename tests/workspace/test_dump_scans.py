@@ -174,8 +174,4 @@ def test_a_page_image_mapping_is_known_by_its_smaps_line(tmp_path):
         clones += snaps[1].fork(1, mode="share")
         assert heap(clones[1], HEAP_PORT, "sha") == host.heap_expected(16, "by-line", "one")
     finally:
-        for c in clones:
-            c.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
+        host.close_then_delete(clones, ws, snaps)

@@ -983,11 +983,7 @@ def test_a_share_clone_whose_parasite_page_was_dropped_snapshots_and_runs_on():
             clones.append(again)
             assert _dropcode_check(again) == "first_nonzero=0 rest_bad=0", mode
     finally:
-        for c in clones:
-            c.close()
-        ws.close()
-        for s in reversed(snaps):
-            s.delete()
+        host.close_then_delete(clones, ws, snaps)
 
 
 # 11. the creating process is killed mid-create ----------------------------------------------
