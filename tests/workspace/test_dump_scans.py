@@ -9,6 +9,8 @@ dump of the same frozen state that still does it.
 - criu/patches/0040: the contents of deleted files the tasks hold (ghost files) are copied by a
   helper beside the dump, not by CRIU one after the other; the dump waits for the last copy
   before it ends. ``CRIU_GHOST_COPY_LATE=0`` copies at once, as before.
+- criu/patches/0044: CRIU reads each VMA's smaps header without sscanf; the mappings it records
+  are the ones /proc/PID/maps shows.
 - criu/patches/0042: in a share clone, whose anonymous memory is mapped from page images on the
   images' tmpfs, such a mapping is known by its smaps line (the device is that tmpfs's), without
   the mode, descriptor and stat of its map_files link; the smaps helper (0033) skips them too.
@@ -38,6 +40,8 @@ DIRS = ("/tmp/scan1", "/root/scan2")
 HEAP_PORT = 7311
 #: CRIU's VmaEntry flag of a mapping without a file (mmap's MAP_ANONYMOUS)
 MAP_ANONYMOUS = 0x20
+#: CRIU's status bits of a mapping of a file (criu/include/image.h), and mmap's MAP_SHARED
+VMA_FILE_PRIVATE, VMA_FILE_SHARED, MAP_SHARED = 1 << 6, 1 << 7, 0x1
 
 
 def _ghost(image) -> tuple[dict, bytes]:
@@ -175,3 +179,39 @@ def test_a_page_image_mapping_is_known_by_its_smaps_line(tmp_path):
         assert heap(clones[1], HEAP_PORT, "sha") == host.heap_expected(16, "by-line", "one")
     finally:
         host.close_then_delete(clones, ws, snaps)
+
+
+def _maps(ws: Workspace, vpid: int) -> dict[tuple[int, int], tuple[str, int]]:
+    """{(start, end): (permissions, offset)} of a process's /proc/PID/maps, read in the workspace."""
+    out = {}
+    for line in ws.exec(["cat", f"/proc/{vpid}/maps"]).text.splitlines():
+        rng, perms, offset = line.split()[:3]
+        start, end = (int(x, 16) for x in rng.split("-"))
+        out[(start, end)] = (perms, int(offset, 16))
+    return out
+
+
+def test_every_mapping_of_a_file_is_recorded_as_maps_shows_it(tmp_path):
+    """0044: the range, protections, sharing and file offset CRIU records for each mapping of a
+    file are what /proc/PID/maps shows: scanmaps maps its data file privately at two offsets and
+    a deleted file shared (a path ending in " (deleted)"), besides its libraries."""
+    ws = Workspace.create("base")
+    try:
+        host.install(ws, "scanmaps")
+        ws.exec(["mkdir", "-p", DIRS[0]])
+        vpid = ws.spawn([f"{host.DIR}/scanmaps", DIRS[0]], log=f"{DIRS[0]}.log")
+        host.wait_file(ws, f"{DIRS[0]}/ready", contains="\n")
+        want = _maps(ws, vpid)
+        images = tmp_path / "dump"
+        dumped.dump_frozen(ws, {images: {}}, verbosity=2)
+        files = [v for v in dumped.mappings(images)[f"mm-{vpid}.img"]
+                 if v["status"] & (VMA_FILE_PRIVATE | VMA_FILE_SHARED)]
+        assert len(files) >= 4 and any(v["pgoff"] for v in files)
+        assert any(v["flags"] & MAP_SHARED for v in files), "the deleted file's shared mapping"
+        for v in files:
+            perms, offset = want[(v["start"], v["end"])]
+            prot = ("r" in perms) | ("w" in perms) << 1 | ("x" in perms) << 2
+            assert (v["prot"], bool(v["flags"] & MAP_SHARED), v["pgoff"]) == (prot, perms[3] == "s", offset), \
+                (hex(v["start"]), perms, offset, v)
+    finally:
+        ws.close()
