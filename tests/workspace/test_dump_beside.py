@@ -62,10 +62,6 @@ def source():
         ws.close()
 
 
-def _lines_before(log: str, marker: str) -> list[str]:
-    return log[:log.index(marker)].splitlines()
-
-
 def test_namespaces_and_tmpfs_contents_dumped_beside_the_tasks_are_what_after_them_gave(source, tmp_path):
     old, new = tmp_path / "after", tmp_path / "beside"
     dumped.dump_frozen(source, {old: {"CRIU_NS_BESIDE": "0"}, new: {"CRIU_NS_BESIDE": None}}, verbosity=3)
