@@ -366,16 +366,9 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("--rounds", type=int, default=2, help="containment, bgdump: interleaved rounds of each side")
     be.add_argument("--log-levels", default=None,
                     help="bgdump: CRIU log levels to take background snapshots at too, side by side (e.g. 3,4)")
-    be.add_argument("--fork-wait", action="store_true",
-                    help="bgdump: background snapshots with each copy-on-write fork waited at once too "
-                         "(CRIU_BG_FORK_WAIT=1, as before criu/patches/0036 and 0038), side by side")
-    be.add_argument("--scans-as-before", action="store_true",
-                    help="bgdump: background snapshots with every private mapping's page tables and the whole "
-                         "address space scanned and deleted files copied by CRIU itself too (as before "
-                         "criu/patches/0039 and 0040), side by side")
-    be.add_argument("--ns-after-tasks", action="store_true",
-                    help="bgdump: background snapshots with the tmpfs contents and the UTS and network namespaces "
-                         "dumped after the tasks too (CRIU_NS_BESIDE=0, as before criu/patches/0041), side by side")
+    from bunshin_gym.bench.bgdump import add_old_way_options
+
+    add_old_way_options(be, prefix="bgdump: ")
     be.add_argument("--settle", action="store_true",
                     help="bgdump: each snapshot after sync and a 0.5 s pause (not in the previous one's writeback)")
     be.add_argument("--background-only", action="store_true",

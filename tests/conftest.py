@@ -7,9 +7,11 @@ check here is scoped to the ids a test created (plus host-wide counts that must 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -217,3 +219,14 @@ def check_chromium_processes():
         return lines
 
     return check
+
+
+@pytest.fixture
+def fake_bin():
+    """A directory for programs CRIU's helpers run (a failing tar or ip put first on PATH):
+    readable by the workspace's root, which tar runs as (in the workspace's user namespace;
+    pytest's tmp_path is private to the host's)."""
+    d = Path(tempfile.mkdtemp(prefix="bunshin-fake-bin-", dir="/tmp"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d)

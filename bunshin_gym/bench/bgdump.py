@@ -47,6 +47,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bunshin_gym.bench.fork import make_source
@@ -61,24 +62,38 @@ def _load() -> str:
 
 #: the variable ``--log-levels`` sets for a snapshot
 LOG_LEVEL_ENV = "BUNSHIN_CRIU_DUMP_VERBOSITY"
-#: CRIU's own switch (criu/patches/0036, 0038) that ``--fork-wait`` sets: each task's pages
-#: drained and its copy-on-write fork's answer waited for at once, as before 0036
-FORK_WAIT_ENV = "CRIU_BG_FORK_WAIT"
-#: the side ``--fork-wait`` adds
-FORK_WAIT_SIDE = "background, forks waited at once"
-#: CRIU's own switches (criu/patches/0039, 0040) that ``--scans-as-before`` sets: every private
-#: mapping scanned for pages, the whole address space for guard regions, deleted files copied by
-#: CRIU itself
-SCANS_AS_BEFORE_ENV = {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_LATE": "0"}
-#: the side ``--scans-as-before`` adds
-SCANS_AS_BEFORE_SIDE = "background, scans and copies as before"
-#: CRIU's own switch (criu/patches/0041) that ``--ns-after-tasks`` sets: the tmpfs contents and
-#: the UTS and network namespaces dumped after the tasks, as before 0041
-NS_AFTER_TASKS_ENV = {"CRIU_NS_BESIDE": "0"}
-#: the side ``--ns-after-tasks`` adds
-NS_AFTER_TASKS_SIDE = "background, namespaces after the tasks"
+
+
+@dataclass(frozen=True)
+class OldWay:
+    """A way CRIU dumped before one of its patches, taken back by CRIU's own switches: a side
+    (``--fork-wait``, ...) of background snapshots taken that way, in turn with the others."""
+
+    flag: str  #: the option (``bench bgdump --fork-wait``) and ``run()``'s keyword (``fork_wait``)
+    side: str  #: the name of its rows
+    env: dict[str, str]  #: CRIU's switches it sets
+    what: str  #: how its snapshots are taken, for the summary and the help
+    before: str  #: the patches it undoes
+
+    @property
+    def keyword(self) -> str:
+        return self.flag.replace("-", "_")
+
+
+#: every old way a run can add, in the order they run
+OLD_WAYS = (
+    OldWay("fork-wait", "background, forks waited at once", {"CRIU_BG_FORK_WAIT": "1"},
+           "each fork waited at once", "0036, 0038"),
+    OldWay("scans-as-before", "background, scans and copies as before",
+           {"CRIU_SMAPS_SKIP": "0", "CRIU_GUARD_SCAN_ALL": "1", "CRIU_GHOST_COPY_LATE": "0"},
+           "every mapping and the whole address space scanned and deleted files copied by CRIU", "0039, 0040"),
+    OldWay("ns-after-tasks", "background, namespaces after the tasks", {"CRIU_NS_BESIDE": "0"},
+           "the tmpfs contents and namespaces dumped after the tasks", "0041"),
+)
+#: the side each old way adds
+FORK_WAIT_SIDE, SCANS_AS_BEFORE_SIDE, NS_AFTER_TASKS_SIDE = (w.side for w in OLD_WAYS)
 #: every CRIU switch a side may set (the others' are unset for it)
-_CRIU_SWITCHES = (FORK_WAIT_ENV, *SCANS_AS_BEFORE_ENV, *NS_AFTER_TASKS_ENV)
+_CRIU_SWITCHES = tuple(name for w in OLD_WAYS for name in w.env)
 #: how long ``--settle`` waits after ``sync`` before a snapshot
 SETTLE_S = 0.5
 
@@ -117,18 +132,16 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
         settle: bool = False, background_only: bool = False, ns_after_tasks: bool = False) -> dict:
     procs = 3 if image == "base" else 0
     level = criu_dump_verbosity()
+    asked = {"fork_wait": fork_wait, "scans_as_before": scans_as_before, "ns_after_tasks": ns_after_tasks}
+    old_ways = [w for w in OLD_WAYS if asked[w.keyword]]
     print(f"bench bgdump: image {image!r}, heap {heap_mb if procs else 0} MB; {rounds} rounds; CRIU log level "
-          f"{level}{''.join(f', and {n}' for n in log_levels)}{'; forks waited at once too' if fork_wait else ''}"
-          f"{'; scans and copies as before too' if scans_as_before else ''}"
-          f"{'; namespaces after the tasks too' if ns_after_tasks else ''}"
+          f"{level}{''.join(f', and {n}' for n in log_levels)}{''.join(f'; {w.side} too' for w in old_ways)}"
           f"{'; each snapshot after sync and a pause' if settle else ''}; load {_load()}")
     ws = make_source(image, heap_mb, procs)
     #: name -> (background, CRIU log level or None: the configured one, CRIU switches set)
     sides = {**({} if background_only else {"stop-the-world": (False, None, None)}), "background": (True, None, None),
              **{f"background, log level {n}": (True, n, None) for n in log_levels},
-             **({FORK_WAIT_SIDE: (True, None, {FORK_WAIT_ENV: "1"})} if fork_wait else {}),
-             **({SCANS_AS_BEFORE_SIDE: (True, None, SCANS_AS_BEFORE_ENV)} if scans_as_before else {}),
-             **({NS_AFTER_TASKS_SIDE: (True, None, NS_AFTER_TASKS_ENV)} if ns_after_tasks else {})}
+             **{w.side: (True, None, w.env) for w in old_ways}}
     rows: dict[str, list[dict]] = {name: [] for name in sides}
     snaps = []
     try:
@@ -173,17 +186,9 @@ def run(image: str = "base", heap_mb: int = 300, rounds: int = 5, json_path: str
     for n in log_levels:
         print(f"median frozen, background at CRIU log level {n}: "
               f"{res['median'][f'background, log level {n}']['frozen_ms']:.1f} ms")
-    if fork_wait:
-        print(f"median frozen, background with each fork waited at once (before 0036, 0038): "
-              f"{res['median'][FORK_WAIT_SIDE]['frozen_ms']:.1f} ms")
-    if scans_as_before:
-        print(f"median frozen, background with every mapping and the whole address space scanned and deleted "
-              f"files copied by CRIU (before 0039, 0040): {res['median'][SCANS_AS_BEFORE_SIDE]['frozen_ms']:.1f} ms;"
-              f" lower in {_rounds_lower(rows['background'], rows[SCANS_AS_BEFORE_SIDE])} of {rounds} rounds")
-    if ns_after_tasks:
-        print(f"median frozen, background with the tmpfs contents and namespaces dumped after the tasks (before "
-              f"0041): {res['median'][NS_AFTER_TASKS_SIDE]['frozen_ms']:.1f} ms;"
-              f" lower in {_rounds_lower(rows['background'], rows[NS_AFTER_TASKS_SIDE])} of {rounds} rounds")
+    for w in old_ways:
+        print(f"median frozen, background with {w.what} (before {w.before}): {res['median'][w.side]['frozen_ms']:.1f} "
+              f"ms; lower in {_rounds_lower(rows['background'], rows[w.side])} of {rounds} rounds")
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1) + "\n")
     return res
@@ -196,19 +201,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--log-levels", default="", help="CRIU log levels to take background snapshots at too")
-    ap.add_argument("--fork-wait", action="store_true",
-                    help="background snapshots with each copy-on-write fork waited at once too (before 0036, 0038)")
-    ap.add_argument("--scans-as-before", action="store_true",
-                    help="background snapshots with CRIU's scans and deleted-file copies as before 0039, 0040 too")
-    ap.add_argument("--ns-after-tasks", action="store_true",
-                    help="background snapshots with the tmpfs contents and namespaces dumped after the tasks too "
-                         "(before 0041)")
+    add_old_way_options(ap)
     ap.add_argument("--settle", action="store_true", help="each snapshot after sync and a 0.5 s pause")
     ap.add_argument("--background-only", action="store_true", help="no stop-the-world snapshots")
     a = ap.parse_args()
     run(a.image, a.heap_mb, a.rounds, a.json, log_levels=parse_levels(a.log_levels), fork_wait=a.fork_wait,
         scans_as_before=a.scans_as_before, settle=a.settle, background_only=a.background_only,
         ns_after_tasks=a.ns_after_tasks)
+
+
+def add_old_way_options(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--fork-wait`` and the other old ways, as options of ``ap`` (help text after ``prefix``)."""
+    for w in OLD_WAYS:
+        switches = ", ".join(f"{k}={v}" for k, v in w.env.items())
+        ap.add_argument(f"--{w.flag}", action="store_true",
+                        help=f"{prefix}background snapshots with {w.what} too ({switches}, as before "
+                             f"criu/patches/{w.before}), side by side")
 
 
 def _rounds_lower(rows: list[dict], others: list[dict]) -> int:

@@ -5,6 +5,7 @@ helper or a scan left out against one without) make and read them the same way."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -37,6 +38,15 @@ def dump_frozen(ws: Workspace, ways: dict[Path, dict[str, str | None]], *, verbo
             assert cg.is_frozen(), "the dump should leave the workspace frozen"
     finally:
         cg.thaw()
+
+
+def taken_from_smaps_helper(log: str) -> tuple[int, int, int]:
+    """What CRIU took from its smaps helper (criu/patches/0033), from a dump's log at level 3 or
+    more: smaps texts, map_files modes and descriptors."""
+    took = re.search(r"smaps-ahead: took (\d+) smaps \(waited [\d.]+ ms\), (\d+) map_files modes and (\d+) "
+                     r"descriptors from the helper", log)
+    assert took, log[-3000:]
+    return int(took.group(1)), int(took.group(2)), int(took.group(3))
 
 
 def ip_save_messages(stream: bytes) -> list[bytes]:

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -107,16 +105,6 @@ def test_a_clone_of_a_snapshot_dumped_beside_the_tasks_has_its_tmpfs_contents_an
                 c.close()
     finally:
         snap.delete()
-
-
-@pytest.fixture
-def fake_bin():
-    """A directory for programs CRIU's helpers run, readable by the workspace's root (tar runs
-    as it, in the workspace's user namespace; pytest's tmp_path is private to the host's)."""
-    d = Path(tempfile.mkdtemp(prefix="bunshin-fake-bin-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d)
 
 
 def _no_process_left(pattern: str) -> None:

@@ -126,14 +126,6 @@ def test_a_dump_without_those_scans_and_with_its_copies_beside_it_records_the_sa
         ws.close()
 
 
-def _took_from_helper(log: str) -> tuple[int, int]:
-    """How many map_files modes and descriptors CRIU took from the smaps helper (0033)."""
-    took = re.search(r"smaps-ahead: took \d+ smaps \(waited [\d.]+ ms\), (\d+) map_files modes and (\d+) "
-                     r"descriptors from the helper", log)
-    assert took, log[-3000:]
-    return int(took.group(1)), int(took.group(2))
-
-
 def _without_anon_fdflags(images) -> dict[str, list]:
     """Mappings, less the open mode of anonymous ones: the old way recorded the mode of a page
     image's map_files link there, which no restore of anonymous memory reads."""
@@ -161,7 +153,7 @@ def test_a_page_image_mapping_is_known_by_its_smaps_line(tmp_path):
         images = old_log.count("is anonymous memory")
         assert images >= 20 and "by its smaps line" not in old_log
         assert new_log.count("by its smaps line) is anonymous memory") == images == new_log.count("is anonymous memory")
-        (old_modes, old_fds), (new_modes, new_fds) = _took_from_helper(old_log), _took_from_helper(new_log)
+        (_, old_modes, old_fds), (_, new_modes, new_fds) = map(dumped.taken_from_smaps_helper, (old_log, new_log))
         assert new_modes <= old_modes - images and new_fds < old_fds, (old_modes, old_fds, new_modes, new_fds)
 
         # the same pages and mappings

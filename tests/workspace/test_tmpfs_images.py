@@ -10,10 +10,8 @@ from __future__ import annotations
 import gzip
 import os
 import re
-import shutil
 import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,16 +135,6 @@ def test_a_tmpfs_with_mounts_below_it_is_read_through_a_detached_copy(source, sn
             assert c.exec(["cat", "/dev/shm/s"]).text == "shm data", mode
         finally:
             c.close()
-
-
-@pytest.fixture
-def fake_bin():
-    """A directory for programs CRIU's helpers run: readable by the workspace's root, which tar
-    runs as (in the workspace's user namespace; pytest's tmp_path is private to the host's)."""
-    d = Path(tempfile.mkdtemp(prefix="bunshin-fake-bin-", dir="/tmp"))
-    d.chmod(0o755)
-    yield d
-    shutil.rmtree(d)
 
 
 @pytest.mark.parametrize("beside", ["1", "0"], ids=["beside-the-tasks", "after-the-tasks"])
